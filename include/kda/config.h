@@ -1,0 +1,81 @@
+// kda-prefill: the module's configuration (model shape, graph buckets, pools), read from YAML.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kda {
+
+// Shapes of one KDA layer on this tensor-parallel rank (../docs/config.md lists the YAML keys).
+struct ModelConfig {
+  int64_t hidden_size = 0;                  // D                                    (model.hidden_size)
+  int64_t num_heads = 0;                    // H on this rank                       (model.num_heads)
+  int64_t head_dim = 128;                   // K = V; only 128 is supported         (model.head_dim)
+  int64_t gate_rank = 128;                  // r of f_a/f_b and g_a/g_b             (model.gate_rank)
+  int64_t conv_width = 4;                   // short-conv taps; only 4 is supported (model.conv_width)
+  double norm_eps = 1e-5;                   // gated RMSNorm epsilon                (model.norm_eps)
+  std::optional<double> gate_lower_bound;   // K3-style decay variant when set      (model.gate_lower_bound)
+
+  int64_t part_dim() const { return num_heads * head_dim; }                    // P
+  int64_t in_proj_cols() const { return 3 * part_dim() + num_heads + 2 * gate_rank; }  // W_in
+  // Row stride of the in_proj output: W_in rounded up to 64 elements (128-byte rows).
+  int64_t in_proj_stride() const { return (in_proj_cols() + 63) / 64 * 64; }
+};
+
+enum class CaptureMode {
+  Eager,  // capture every (bucket, layer) graph when the module is constructed
+  Lazy,   // capture a graph the first time a batch needs it
+};
+
+struct RuntimeConfig {
+  std::vector<int64_t> token_buckets;   // graph keys, strictly increasing      (runtime.token_buckets)
+  int64_t max_seqs = 256;               // sequences per batch                  (runtime.max_seqs)
+  int64_t max_batch_tokens = 0;         // 0 = largest bucket; larger allows split
+                                        // batches (windows of the largest bucket) (runtime.max_batch_tokens)
+  CaptureMode capture = CaptureMode::Lazy;  //                                  (runtime.capture: eager|lazy)
+  bool use_graphs = true;               // false: run every step eagerly        (runtime.graphs)
+  int64_t num_layers = 1;               // KDA layers held by one module        (runtime.num_layers)
+  int64_t gemm_workspace_bytes = 32ll << 20;  // cuBLASLt workspace            (runtime.gemm_workspace_mib)
+
+  int64_t largest_bucket() const { return token_buckets.empty() ? 0 : token_buckets.back(); }
+  int64_t batch_token_capacity() const {
+    return max_batch_tokens > 0 ? max_batch_tokens : largest_bucket();
+  }
+};
+
+struct PoolConfig {
+  // Lines in each layer's conv-state and recurrent-state pool. A sequence's cache index names
+  // the same line in both pools. Line `null_line` is the pad line: sequences on it are skipped.
+  int64_t cache_lines = 0;              //                                       (pools.cache_lines)
+  int32_t null_line = 0;                //                                       (pools.null_line)
+};
+
+struct Config {
+  ModelConfig model;
+  RuntimeConfig runtime;
+  PoolConfig pools;
+
+  // Where the values came from, for error messages: the file name, and the line of each key
+  // path that was read ("runtime.token_buckets[2]" -> 14). Empty for configs built in code.
+  std::string source;
+  std::map<std::string, int> key_lines;
+};
+
+// Reads and validates a YAML file. Throws kda::Error naming file, line and key path, e.g.
+//   "configs/x.yaml:14: runtime.token_buckets[2]: 4096 after 8192, buckets must increase".
+// Unknown keys, duplicate keys and wrongly typed values are errors; absent keys take the
+// defaults above (model.hidden_size, model.num_heads, runtime.token_buckets and
+// pools.cache_lines have none and are required).
+Config load_config(const std::string& path);
+
+// Same, from YAML text; `source` names it in messages.
+Config parse_config(const std::string& yaml_text, const std::string& source = "<string>");
+
+// Checks a Config however it was built (load_config calls it). Throws kda::Error with the
+// key path, and the file and line when config.key_lines knows them.
+void validate_config(const Config& config);
+
+}  // namespace kda

@@ -1,0 +1,66 @@
+// kda-prefill: the packed Q|K|V causal depthwise conv1d (width 4) of a KDA layer's prefill.
+//
+// One launch reads the Q|K|V columns of the in_proj output in place, convolves them in FP32
+// with the stock path's arithmetic, applies SiLU, writes `dim / part_dim` dense planes and
+// updates the conv states. Outputs and states are bit-identical to the stock path
+// (three times: cast the strided slice to a dense FP32 copy, FP32 conv, cast back).
+// The (sequence, token chunk) program map is computed on the device from query_start_loc,
+// so a launch can be captured in a CUDA graph and replayed with new batch metadata.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+// cudaStream_t is `CUstream_st*`; declaring the struct keeps this header free of CUDA headers.
+struct CUstream_st;
+
+namespace kda {
+
+using Stream = CUstream_st*;  // a cudaStream_t; nullptr is the legacy default stream
+
+enum class DType { BF16, FP16, FP32 };
+
+const char* dtype_name(DType dtype);     // "bf16", "fp16", "fp32"
+std::size_t dtype_size(DType dtype);     // bytes per element
+
+// All strides are in elements. All pointers are device pointers.
+struct PackedConvArgs {
+  const void* x = nullptr;  DType x_dtype = DType::BF16;  // (num_tokens, dim), column stride 1
+  int64_t num_tokens = 0, dim = 0, x_row_stride = 0;      // row stride >= dim
+  const float* weight = nullptr;                          // (dim, 4), taps oldest first
+  int64_t weight_stride_dim = 4, weight_stride_tap = 1;
+  const float* bias = nullptr;                            // (dim) or nullptr
+  float* conv_states = nullptr;                           // (num_cache_lines, dim, state_len), in place
+  int64_t num_cache_lines = 0, state_len = 3;             // state_len >= 3; only taps 0..2 are used
+  int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
+  const int32_t* query_start_loc = nullptr;               // (num_seqs + 1), non-decreasing
+  int64_t num_seqs = 0;
+  const int32_t* cache_indices = nullptr;                 // (num_seqs), element stride below
+  int64_t cache_indices_stride = 1;
+  const bool* has_initial_state = nullptr;                // (num_seqs)
+  int64_t part_dim = 0;                                   // dim = parts x part_dim
+  bool silu = true;
+  std::optional<int32_t> null_block_id = 0;               // sequences on this line are skipped
+  void* out = nullptr;                                    // (dim / part_dim, num_tokens, part_dim), x_dtype
+};
+
+// num_tokens and num_seqs are capacities: the grid depends only on them and on dim/part_dim.
+// Sequences past the real ones have zero length (repeated query_start_loc values), so one
+// captured launch serves every batch that fits. A sequence whose cache index equals
+// null_block_id, or lies outside [0, num_cache_lines), is skipped: it writes no output and
+// touches no state. Output rows past query_start_loc[num_seqs] are never written.
+// Two sequences naming the same cache line is undefined behaviour (validate on the host).
+
+// True when packed_causal_conv1d reproduces the stock path bit for bit for these arguments
+// and they are well formed; otherwise false, with the reason in *why when why is non-null.
+// Reads no device memory.
+bool packed_causal_conv1d_supported(const PackedConvArgs& args, std::string* why = nullptr);
+
+// Enqueues the conv on `stream`. Throws kda::Error (and enqueues nothing) when
+// packed_causal_conv1d_supported() is false. Makes no host synchronisation and allocates
+// nothing, so it may be captured into a CUDA graph.
+void packed_causal_conv1d(const PackedConvArgs& args, Stream stream);
+
+}  // namespace kda

@@ -1,0 +1,159 @@
+// kda-prefill: the KDA-layer prefill module a server links and drives.
+//
+// A PrefillModule owns everything a prefill forward needs, allocated once at construction from
+// the Config: activation buffers, the in_proj output, the three conv planes, per-layer conv-state
+// and recurrent-state pools, batch-metadata staging (pinned host + device) and the cuBLASLt
+// workspace. Per (token bucket, layer, window) it records the layer's steps (in_proj GEMM,
+// packed conv, then the steps added with add_step) into a CUDA graph, and replays it for every
+// batch that fits the bucket with the new query_start_loc, cache lines and flags.
+//
+// Threading: a module is driven from one host thread at a time and its work is ordered on the
+// stream given to begin_forward/run_layer; use one stream per module. Different modules are
+// independent and may run concurrently on different streams.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kda/config.h"
+#include "kda/packed_conv.h"  // kda::Stream, kda::DType
+
+namespace kda {
+
+// One forward's batch metadata, in host memory; not retained after begin_forward returns.
+// Sequence s owns rows [query_start_loc[s], query_start_loc[s+1]) of hidden_states().
+struct BatchView {
+  const int32_t* query_start_loc = nullptr;  // num_seqs + 1 entries, [0] == 0, non-decreasing
+  const int32_t* cache_indices = nullptr;    // num_seqs entries: the pool line of each sequence;
+                                             // pools.null_line marks a skipped sequence
+  const bool* has_initial_state = nullptr;   // num_seqs entries: continue from the line's state
+  int64_t num_seqs = 0;
+
+  int64_t num_tokens() const { return num_seqs > 0 ? query_start_loc[num_seqs] : 0; }
+};
+
+// Device weights of one layer, row-major, shapes as in docs/layer.md (P = H x 128, D hidden,
+// r gate rank). The module neither copies nor frees them: they must outlive its use of them.
+struct LayerWeights {
+  const void* in_proj = nullptr;        // (3P + H + 2r, D) bf16: rows q|k|v|b|f_a|g_a
+  const float* conv_weight = nullptr;   // (3P, 4) fp32
+  const void* f_b = nullptr;            // (P, r) bf16
+  const void* g_b = nullptr;            // (P, r) bf16
+  const float* A_log = nullptr;         // (H) fp32
+  const float* dt_bias = nullptr;       // (P) fp32
+  const void* o_norm_weight = nullptr;  // (128) bf16
+  const void* o_proj = nullptr;         // (D, P) bf16
+};
+
+// What a step sees when it is recorded: device pointers for one (layer, window). All row
+// counts are the bucket's; rows at or past query_start_loc[num_seqs] are padding.
+struct StepContext {
+  int layer = 0;
+  int64_t bucket_tokens = 0;               // rows of every per-token buffer below
+  int64_t max_seqs = 0;                    // entries of the metadata arrays (capacity)
+  const int32_t* query_start_loc = nullptr;  // (max_seqs + 1), window-local, padded by repetition
+  const int32_t* cache_indices = nullptr;    // (max_seqs), padded with pools.null_line
+  const bool* has_initial_state = nullptr;   // (max_seqs)
+  const void* hidden = nullptr;            // (bucket_tokens, D) bf16
+  void* in_proj_out = nullptr;             // (bucket_tokens, in_proj_stride) bf16
+  void* q = nullptr;                       // (bucket_tokens, P) bf16, conv output planes
+  void* k = nullptr;
+  void* v = nullptr;
+  void* out = nullptr;                     // (bucket_tokens, D) bf16 layer output
+  float* conv_states = nullptr;            // (cache_lines, 3P, 3) fp32, this layer's pool
+  float* recurrent_states = nullptr;       // (cache_lines, H, 128, 128) fp32, this layer's pool
+  const LayerWeights* weights = nullptr;
+  const Config* config = nullptr;
+};
+
+// A step enqueues work on the stream and nothing else: no host synchronisation, no allocation,
+// no reads of host memory that changes per batch (it may be recorded into a graph once and
+// replayed many times).
+using Step = std::function<void(const StepContext& ctx, Stream stream)>;
+
+struct BucketStats {
+  int64_t bucket_tokens = 0;
+  int layer = 0;
+  int window = 0;
+  double capture_us = 0;       // stream capture of the steps
+  double instantiate_us = 0;   // cudaGraphInstantiate
+  int64_t graph_nodes = 0;
+  int64_t replays = 0;
+  double mean_replay_us = 0;   // GPU time per replay (events), 0 until measured
+};
+
+struct ModuleStats {
+  std::vector<BucketStats> graphs;  // one entry per captured (bucket, layer, window)
+  int64_t forwards = 0;             // begin_forward calls
+  double mean_host_us_begin = 0;    // host time per begin_forward (validate, plan, stage)
+  double mean_host_us_layer = 0;    // host time per run_layer (all windows)
+  int64_t eager_layer_runs = 0;
+};
+
+struct SelfCheckReport {
+  bool ok = true;
+  int64_t graph_vs_eager_diff_bits = 0;  // planes, conv pool and recurrent pool, all layers
+  int64_t conv_vs_stock_diff_bits = 0;   // packed conv planes + states vs the stock-path baseline
+  std::string detail;                    // one line per comparison
+};
+
+class PrefillModule {
+ public:
+  // Validates the config and allocates everything on the current CUDA device. Throws kda::Error.
+  explicit PrefillModule(const Config& config);
+  ~PrefillModule();
+  PrefillModule(const PrefillModule&) = delete;
+  PrefillModule& operator=(const PrefillModule&) = delete;
+
+  const Config& config() const;
+
+  // Module-owned device buffers (bf16, row stride D, runtime.batch_token_capacity() rows):
+  // write the batch's hidden states into hidden_states() rows [0, T) before run_layer.
+  void* hidden_states();
+  const void* output() const;
+  // The conv planes q, k, v: (3, capacity, P) bf16, plane i at conv_planes() + i*capacity*P.
+  const void* conv_planes() const;
+  const void* in_proj_output() const;  // (largest bucket, in_proj_stride) bf16 scratch
+  // This layer's pools: conv (cache_lines, 3P, 3) fp32, recurrent (cache_lines, H, 128, 128) fp32.
+  float* conv_state_pool(int layer);
+  float* recurrent_state_pool(int layer);
+
+  // Weights: device pointers owned by the caller, or module-owned seeded random weights
+  // (deterministic for a seed; for the driver, tests and benchmarks).
+  void set_layer_weights(int layer, const LayerWeights& weights);
+  void init_random_weights(uint64_t seed);
+  const LayerWeights& layer_weights(int layer) const;
+
+  // Appends a step after the built-in ones. Only before the first forward (graphs record the
+  // step list); throws afterwards.
+  void add_step(Step step);
+
+  // Validates the batch on the host (throws and changes nothing on error), picks the bucket or
+  // splits it into windows of the largest bucket, stages all metadata with one async copy.
+  void begin_forward(const BatchView& batch, Stream stream);
+  // Runs one layer over the batch of the last begin_forward: replays (capturing on first use)
+  // the graph of each window's bucket, or launches the steps eagerly when graphs are off.
+  void run_layer(int layer, Stream stream);
+  // begin_forward, then run_layer for every layer in order.
+  void run(const BatchView& batch, Stream stream);
+
+  // Debug switch: run the same steps eagerly instead of replaying graphs.
+  void set_eager(bool eager);
+
+  // Runs the batch eagerly and as graphs from the same starting pools and compares planes and
+  // pools bitwise; also compares the packed conv with the stock-path baseline. Leaves the pools
+  // as one run of the batch leaves them. Synchronises the stream.
+  SelfCheckReport self_check(const BatchView& batch, Stream stream);
+
+  // Synchronises the stream to read replay timings.
+  ModuleStats stats(Stream stream) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kda
