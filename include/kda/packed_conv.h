@@ -44,6 +44,7 @@ struct PackedConvArgs {
   bool silu = true;
   std::optional<int32_t> null_block_id = 0;               // sequences on this line are skipped
   void* out = nullptr;                                    // (dim / part_dim, num_tokens, part_dim), x_dtype
+  int64_t out_plane_stride = 0;                           // elements between planes; 0: num_tokens * part_dim
 };
 
 // num_tokens and num_seqs are capacities: the grid depends only on them and on dim/part_dim.
