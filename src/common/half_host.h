@@ -1,6 +1,7 @@
 // Host-side bf16 / fp16 <-> float conversions, plain C++ (no CUDA headers), for CPU references
 // and tests. Conversions from float round to nearest, ties to even, like __float2bfloat16_rn
-// and __float2half_rn; NaN stays NaN (quiet, sign kept); overflow gives infinity.
+// and __float2half_rn; every NaN becomes the canonical 0x7FFF, as the device conversions
+// give; overflow gives infinity.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +26,7 @@ inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>
 
 inline uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u)  // NaN: keep sign, force a quiet payload
-    return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFFu;
   // Adding 0x7FFF plus the lowest kept bit rounds ties towards the even result; a carry out
   // of the mantissa correctly bumps the exponent (and the largest finite values to infinity).
   uint32_t lsb = (u >> 16) & 1u;
@@ -50,7 +50,7 @@ inline uint16_t float_to_fp16(float f) {
   uint32_t u = float_bits(f);
   uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   uint32_t abs = u & 0x7FFFFFFFu;
-  if (abs > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));  // NaN
+  if (abs > 0x7F800000u) return 0x7FFFu;
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to >= 65520: inf
   int32_t exp = static_cast<int32_t>(abs >> 23) - 127;  // unbiased fp32 exponent
   uint32_t man = (abs & 0x7FFFFFu) | 0x800000u;         // 24-bit significand with the hidden 1
