@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU job: build, GPU tests, compute-sanitizer, benchmarks and the driver, on a machine with
+# an NVIDIA Hopper GPU. Logs and tables go to $OUT (default /tmp/kda-gpu-out); a summary is
+# printed last.
+#   scripts/gpu_suite.sh [info] [build] [test] [sanitize] [bench] [driver]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kda-gpu-out}
+mkdir -p "$OUT"
+build=${BUILD_DIR:-build-gpu}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(info build test sanitize bench driver)
+export PATH=/usr/local/cuda/bin:$PATH
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    info)
+      { nvidia-smi; nvcc --version; meson --version; } > "$OUT/info.txt" 2>&1
+      note "info: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1)"
+      ;;
+    build)
+      start=$SECONDS
+      { [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dptxas_verbose=true; } > "$OUT/build.log" 2>&1
+      if ninja -C "$build" -j "$(nproc)" >> "$OUT/build.log" 2>&1; then
+        note "build: ok in $((SECONDS - start)) s; spills: $(grep -c 'bytes spill stores' "$OUT/build.log") reports, nonzero: $(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$OUT/build.log" | wc -l)"
+      else
+        tail -40 "$OUT/build.log"; note "build: FAILED"; break
+      fi
+      ;;
+    test)
+      KDA_REQUIRE_GPU=1 BUILD_DIR="$build" bash scripts/run_tests.sh > "$OUT/tests.log" 2>&1
+      rc=$?
+      cp "$build/meson-logs/testlog.txt" "$OUT/testlog.txt" 2>/dev/null
+      grep -E "^(not ok|FAIL| *[0-9]+/[0-9]+ .*(FAIL|ERROR|TIMEOUT))" "$OUT/tests.log" | head -20
+      note "test (rc $rc): $(tail -1 "$OUT/tests.log")"
+      ;;
+    sanitize)
+      sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
+      : > "$OUT/sanitize.log"
+      for t in "$build"/tests/test_*_gpu; do
+        for tool in memcheck racecheck; do
+          KDA_TEST_QUICK=1 timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$t" >> "$OUT/sanitize.log" 2>&1
+          rc=$?
+          note "sanitize $tool $(basename "$t"): rc $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize.log" | tail -1)"
+        done
+      done
+      ;;
+    bench)
+      "$build/bench/bench_conv" --out "$OUT/bench_conv.md" > "$OUT/bench.log" 2>&1
+      note "bench_conv rc $?"
+      "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
+      note "bench_module rc $?"
+      cat "$OUT/bench_conv.md" "$OUT/bench_module.md" 2>/dev/null
+      ;;
+    driver)
+      "$build/examples/prefill_driver" --config configs/default.yaml --check > "$OUT/driver.log" 2>&1
+      rc=$?
+      tail -25 "$OUT/driver.log"
+      note "driver --check rc $rc"
+      ;;
+    *) echo "gpu_suite.sh: unknown stage \"$stage\" (info build test sanitize bench driver)"; exit 2 ;;
+  esac
+done
+echo
+printf '%s\n' "${summary[@]}"
