@@ -57,6 +57,7 @@ struct Config {
   ModelConfig model;
   RuntimeConfig runtime;
   PoolConfig pools;
+  std::string name;  // for display only; empty when absent (top-level `name:`)
 
   // Where the values came from, for error messages: the file name, and the line of each key
   // path that was read ("runtime.token_buckets[2]" -> 14). Empty for configs built in code.
