@@ -8,8 +8,21 @@
 // batch that fits the bucket with the new query_start_loc, cache lines and flags.
 //
 // Threading: a module is driven from one host thread at a time and its work is ordered on the
-// stream given to begin_forward/run_layer; use one stream per module. Different modules are
-// independent and may run concurrently on different streams.
+// stream given to begin_forward/run_layer; use one stream per module (the device-side metadata
+// staging is single-buffered and relies on that order). No member function may be called
+// concurrently with another on the same module, const ones (config, output, stats) included.
+// Different modules are independent and may be driven from different threads on different
+// streams at the same time. The caller may write hidden_states() and read output(), the planes
+// and the pools from any stream once it has ordered that access after the module's work.
+//
+// Graphs: the (bucket, layer, window) graph records the layer's weight pointers and the step
+// list. runtime.capture: lazy records a graph the first time a batch needs it, after running
+// that window eagerly (the batch's work, which also loads every kernel). runtime.capture: eager
+// records the (bucket, layer, window 0) graphs of every layer that has weights at the first
+// begin_forward (weights must be set by then; graphs of later windows are recorded lazily).
+// Setting weights with different pointers makes that layer's graphs stale: they are
+// re-recorded on next use (cudaGraphExecUpdate first). runtime.graphs: false or set_eager(true)
+// runs the same steps eagerly.
 #pragma once
 
 #include <cstdint>
@@ -90,7 +103,7 @@ struct ModuleStats {
   int64_t forwards = 0;             // begin_forward calls
   double mean_host_us_begin = 0;    // host time per begin_forward (validate, plan, stage)
   double mean_host_us_layer = 0;    // host time per run_layer (all windows)
-  int64_t eager_layer_runs = 0;
+  int64_t eager_layer_runs = 0;     // (layer, window) step lists launched eagerly, warm-ups included
 };
 
 struct SelfCheckReport {
@@ -123,6 +136,10 @@ class PrefillModule {
 
   // Weights: device pointers owned by the caller, or module-owned seeded random weights
   // (deterministic for a seed; for the driver, tests and benchmarks).
+  // set_layer_weights needs all eight pointers non-null and in_proj 16-byte aligned, and checks
+  // that the packed conv can run them; it throws and keeps the old weights otherwise.
+  // init_random_weights waits for the device (no forward may still read the old weights),
+  // fills every layer and waits again.
   void set_layer_weights(int layer, const LayerWeights& weights);
   void init_random_weights(uint64_t seed);
   const LayerWeights& layer_weights(int layer) const;
@@ -136,8 +153,10 @@ class PrefillModule {
   void begin_forward(const BatchView& batch, Stream stream);
   // Runs one layer over the batch of the last begin_forward: replays (capturing on first use)
   // the graph of each window's bucket, or launches the steps eagerly when graphs are off.
+  // Throws for a layer out of range or without weights, and before any begin_forward.
   void run_layer(int layer, Stream stream);
-  // begin_forward, then run_layer for every layer in order.
+  // begin_forward, then run_layer for every layer in order. Checks first that every layer has
+  // weights, so a failure changes nothing.
   void run(const BatchView& batch, Stream stream);
 
   // Debug switch: run the same steps eagerly instead of replaying graphs.
@@ -146,6 +165,11 @@ class PrefillModule {
   // Runs the batch eagerly and as graphs from the same starting pools and compares planes and
   // pools bitwise; also compares the packed conv with the stock-path baseline. Leaves the pools
   // as one run of the batch leaves them. Synchronises the stream.
+  // Debug path: allocates copies of all pools. The planes are compared on the batch's rows
+  // [0, T) after each layer. The baseline convolves, per window, the module's in_proj output of
+  // that window with the window's staged metadata, from its own copy of the starting conv pool
+  // (multi-window batches included). Graphs are recorded for the check even when graphs are
+  // off. Every layer must have weights. A bad batch throws before anything runs.
   SelfCheckReport self_check(const BatchView& batch, Stream stream);
 
   // Synchronises the stream to read replay timings.
