@@ -1,0 +1,112 @@
+// The KDA layer's GPU steps after the conv and the gate GEMMs (/shared/spec/kda-layer.md
+// steps 4-6): the per-token prep fused into the token-by-token gated delta-rule recurrence,
+// and the gated RMSNorm. CUDA-free: host code includes this header, the kernels live in
+// kda_prep_recurrence.cu and gated_rmsnorm.cu.
+//
+// All pointers are device pointers, all strides are in elements, bf16 tensors are row-major
+// with column stride 1. Row counts are capacities (a bucket's rows) and the grids depend only
+// on them, on max_seqs and on the head count, never on the batch: a launch can be captured in
+// a CUDA graph once and replayed with new query_start_loc / cache_indices / has_initial_state.
+// Each launcher checks its arguments with the matching *_supported() (which reads no device
+// memory) and throws kda::Error, enqueueing nothing, when they are unusable.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kda/packed_conv.h"  // kda::Stream
+
+namespace kda {
+
+struct StepContext;
+
+// Spec steps 4 and 5 per (sequence, head): L2-normalise q and k (eps 1e-6), q *= 128^-0.5,
+// g = -exp(A_log[h]) * softplus(g1 + dt_bias) (or the lower-bound variant), beta = sigmoid(b),
+// then the gated delta rule token by token in fp32 from the pool line (zeros when the sequence
+// has no initial state) and the final state written back to that line.
+//
+// Sequence s owns rows [query_start_loc[s], query_start_loc[s+1]) (clamped to
+// [0, num_tokens)). A sequence that is empty, or whose cache index is null_line or outside
+// [0, cache_lines), writes no o row and reads or writes no pool line. o rows that belong to no
+// processed sequence are never written. Two processed sequences naming the same line is
+// undefined behaviour (the batch validator rejects it).
+struct PrepRecurrenceArgs {
+  int64_t num_heads = 0;   // H; P = H x head_dim
+  int64_t head_dim = 128;  // K = V; only 128 is supported
+  int64_t num_tokens = 0;  // rows of q, k, v, g1, b and o
+  int64_t max_seqs = 0;    // entries of the metadata arrays; the grid has max_seqs x H x 4 blocks
+
+  const int32_t* query_start_loc = nullptr;  // (max_seqs + 1), non-decreasing
+  const int32_t* cache_indices = nullptr;    // (max_seqs)
+  const bool* has_initial_state = nullptr;   // (max_seqs); nullptr: no sequence has one
+  int32_t null_line = 0;
+
+  // q, k, v: (num_tokens, P) bf16 conv planes sharing one row stride.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t qkv_row_stride = 0;  // >= P, a multiple of 4
+  const void* g1 = nullptr;    // (num_tokens, P) bf16, f_a @ f_b^T
+  int64_t g1_row_stride = 0;   // >= P, a multiple of 4
+  // The beta logit of (token t, head h) is b[t * b_row_stride + b_col_offset + h], bf16: the
+  // b columns of the in_proj output read in place.
+  const void* b = nullptr;
+  int64_t b_row_stride = 0;
+  int64_t b_col_offset = 0;
+  const float* a_log = nullptr;    // (H) fp32
+  const float* dt_bias = nullptr;  // (P) fp32
+  std::optional<double> gate_lower_bound;  // finite and < 0 when set (K3-style decay)
+
+  // Recurrent-state pool (cache_lines, H, K, V) fp32, read and written in place; any strides
+  // that do not make two elements overlap (e.g. (line, head, v, k) order).
+  float* states = nullptr;
+  int64_t cache_lines = 0;
+  int64_t state_stride_line = 0, state_stride_head = 0, state_stride_k = 0, state_stride_v = 0;
+
+  void* o = nullptr;         // (num_tokens, H, V) bf16, rounded to nearest even
+  int64_t o_row_stride = 0;  // >= P
+};
+
+bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& args, std::string* why = nullptr);
+void kda_prep_recurrence(const PrepRecurrenceArgs& args, Stream stream);
+
+// Spec step 6 per (token, head) 128-vector x of o:
+// y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(g2), fp32 math, bf16 out (nearest even).
+// Rows processed: [0, query_start_loc[num_seqs]) clamped to num_tokens, read on the device
+// (padded metadata repeats the last entry, so num_seqs may be the capacity), or all num_tokens
+// rows when query_start_loc is null. Rows past that are never written. Rows of skipped
+// sequences inside it are computed from whatever o holds there; rows are independent, so this
+// is harmless (their output rows belong to no sequence).
+struct GatedRmsNormArgs {
+  int64_t num_heads = 0;   // H
+  int64_t head_dim = 128;  // only 128 is supported
+  int64_t num_tokens = 0;  // rows of o, g2 and y
+  const int32_t* query_start_loc = nullptr;  // (num_seqs + 1) or nullptr
+  int64_t num_seqs = 0;
+  const void* o = nullptr;      // (num_tokens, H, 128) bf16
+  int64_t o_row_stride = 0;     // >= P, a multiple of 4
+  const void* g2 = nullptr;     // (num_tokens, P) bf16, g_a @ g_b^T
+  int64_t g2_row_stride = 0;    // >= P, a multiple of 4
+  const void* weight = nullptr; // (128) bf16, shared by all heads
+  double eps = 1e-5;            // positive, finite
+  void* y = nullptr;            // (num_tokens, P) bf16
+  int64_t y_row_stride = 0;     // >= P, a multiple of 4
+};
+
+bool gated_rmsnorm_supported(const GatedRmsNormArgs& args, std::string* why = nullptr);
+void gated_rmsnorm(const GatedRmsNormArgs& args, Stream stream);
+
+// Arguments for a module step: shapes, metadata, planes (row stride P), the b columns of
+// ctx.in_proj_out (offset 3P, row stride in_proj_stride()), weights, the layer's recurrent
+// pool (contiguous (line, head, k, v)) and the pool facts from ctx.config. g1/o (resp. o, g2,
+// y) live in buffers the caller owns, ctx.bucket_tokens rows with the given row strides.
+PrepRecurrenceArgs prep_recurrence_args_for_step(const StepContext& ctx, const void* g1,
+                                                 int64_t g1_row_stride, void* o,
+                                                 int64_t o_row_stride);
+GatedRmsNormArgs gated_rmsnorm_args_for_step(const StepContext& ctx, const void* o,
+                                             int64_t o_row_stride, const void* g2,
+                                             int64_t g2_row_stride, void* y,
+                                             int64_t y_row_stride);
+
+}  // namespace kda
