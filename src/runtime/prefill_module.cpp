@@ -401,7 +401,10 @@ void PrefillModule::Impl::capture_eager_graphs(cudaStream_t stream) {
                                        cudaMemcpyHostToDevice, stream));
         for (int wl = 0; wl < num_layers; ++wl) {
           if (!has_weights[wl]) continue;
-          for (int64_t b : config.runtime.token_buckets) run_steps(make_context(wl, 0, b, slot0), stream);
+          for (int64_t b : config.runtime.token_buckets) {
+            run_steps(make_context(wl, 0, b, slot0), stream);
+            ++eager_runs;
+          }
         }
         KDA_CUDA_CHECK("kda::PrefillModule::begin_forward", cudaStreamSynchronize(stream));
         need_warmup = false;

@@ -41,7 +41,7 @@ std::size_t random_layer_weights_bytes(const ModelConfig& model);
 //   in_proj ~ U(-1,1)/sqrt(D), conv_weight ~ U(-0.5,0.5), f_b, g_b ~ U(-1,1)/sqrt(r),
 //   A_log = log(U(1,16)), dt_bias ~ U(-1,1), o_norm_weight ~ 1 + U(-0.1,0.1),
 //   o_proj ~ U(-1,1)/sqrt(P).
-// Tensor ids are (layer << 8) | index, so layers differ and ids below 2^8 are free for callers.
+// Tensor ids are (layer << 8) | index with index 0..7; other callers should use ids >= 2^40.
 LayerWeights init_random_layer_weights(const ModelConfig& model, int layer, uint64_t seed,
                                        void* storage, Stream stream);
 
