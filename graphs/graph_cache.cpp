@@ -142,7 +142,11 @@ void GraphCache::launch(Entry* entry, cudaStream_t stream) {
       ++entry->timed_replays;
       entry->pending[slot] = false;
       timed = true;
-    } else if (q != cudaErrorNotReady) {
+    } else if (q == cudaErrorNotReady) {
+      // Not an error, but the runtime records it as the last error; a later launch check
+      // (cudaGetLastError) must not see it.
+      cudaGetLastError();
+    } else {
       KDA_CUDA_CHECK(fn, q);
     }
   }
