@@ -174,6 +174,7 @@ struct PrefillModule::Impl {
   bool forward_started = false;
   bool eager = false;
   bool kernels_warm = false;  // the eager-capture warm-up has run
+  bool eager_graphs_current = false;  // every window-0 graph of every layer with weights is recorded
 
   int64_t forwards = 0, layer_calls = 0, eager_runs = 0;
   double begin_us_total = 0, layer_us_total = 0;
@@ -419,7 +420,10 @@ void PrefillModule::Impl::stage(const BatchView& batch, cudaStream_t stream) {
   constexpr const char* fn = "kda::PrefillModule::begin_forward";
   validator.validate(batch);  // throws, changing nothing, on bad input
   detail::plan_windows(batch, config, next_windows);
-  if (graphs_active() && config.runtime.capture == CaptureMode::Eager) capture_eager_graphs(stream);
+  if (graphs_active() && config.runtime.capture == CaptureMode::Eager && !eager_graphs_current) {
+    capture_eager_graphs(stream);
+    eager_graphs_current = true;
+  }
 
   const int h = staging_next;
   char* host = staging_host[h].get();
@@ -461,7 +465,10 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
     }
   }
   const bool moved = !has_weights[layer] || std::memcmp(&old, &w, sizeof(LayerWeights)) != 0;
-  if (moved) weights_version[layer] = next_version++;
+  if (moved) {
+    weights_version[layer] = next_version++;
+    eager_graphs_current = false;
+  }
   has_weights[layer] = true;
 }
 
