@@ -50,8 +50,8 @@ void validate(const PackedConvArgs& a) {
             a.num_tokens * a.part_dim);
   KDA_CHECK(a.query_start_loc != nullptr, kFn, "query_start_loc is null");
   if (a.num_seqs == 0) return;
-  KDA_CHECK(a.x && a.weight && a.conv_states && a.cache_indices && a.has_initial_state && a.out,
-            kFn, "x, weight, conv_states, cache_indices, has_initial_state and out must be non-null");
+  KDA_CHECK(a.x && a.weight && a.conv_states && a.cache_indices && a.out, kFn,
+            "x, weight, conv_states, cache_indices and out must be non-null");
   KDA_CHECK(a.query_start_loc[0] >= 0, kFn, "query_start_loc[0] is ", a.query_start_loc[0],
             ", expected >= 0");
   for (int64_t s = 0; s < a.num_seqs; ++s)
@@ -91,7 +91,7 @@ void causal_conv1d(const PackedConvArgs& a, ConvMath math) {
     const int64_t len = a.query_start_loc[s + 1] - begin;
     const int32_t line = a.cache_indices[s * a.cache_indices_stride];
     if (len == 0 || skipped(a, line)) continue;
-    const bool init = a.has_initial_state[s];
+    const bool init = a.has_initial_state && a.has_initial_state[s];
     float* state_line = a.conv_states + line * a.state_stride_line;
     for (int64_t c = 0; c < a.dim; ++c) {
       float* st = state_line + c * a.state_stride_dim;

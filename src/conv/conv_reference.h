@@ -18,7 +18,8 @@ enum class ConvMath {
 
 // Runs the conv described by `host_args` on the host. Every pointer in host_args is a HOST
 // pointer; shapes, element strides, skipping rules and out_plane_stride mean exactly what they
-// mean for kda::packed_causal_conv1d. Writes the output rows of the sequences it runs and the
+// mean for kda::packed_causal_conv1d (a null has_initial_state means no sequence has one).
+// Writes the output rows of the sequences it runs and the
 // first three taps of their state lines, nothing else. Sequences run in batch order, each
 // reading its whole old state before writing the new one.
 // Throws kda::Error (function "kda::reference::causal_conv1d") for malformed arguments,

@@ -36,7 +36,7 @@ struct StockPartParams {
   int64_t num_seqs = 0;
   const int32_t* cache_indices = nullptr;
   int64_t cache_indices_stride = 0;
-  const bool* has_initial_state = nullptr;
+  const bool* has_initial_state = nullptr;  // nullptr: no sequence has an initial state
   bool has_null_block = false;
   int32_t null_block_id = 0;
   bool silu = true;
@@ -94,7 +94,7 @@ __global__ void conv_fp32_kernel(StockPartParams p) {
     const int64_t line = line_of_sequence(p, s);
     if (line < 0) continue;
     const int64_t begin = p.query_start_loc[s];
-    const bool init = p.has_initial_state[s];
+    const bool init = p.has_initial_state && p.has_initial_state[s];
     const float* st = p.states + line * p.state_stride_line + c * p.state_stride_dim;
     // h[k] is local token (t - begin) - 3 + k; before the sequence it is state tap 3 + j.
     float h[4];
@@ -120,7 +120,7 @@ __global__ void update_state_kernel(StockPartParams p) {
     const int64_t line = line_of_sequence(p, s);
     if (line < 0) continue;
     const int64_t len = end - begin;
-    const bool init = p.has_initial_state[s];
+    const bool init = p.has_initial_state && p.has_initial_state[s];
     float* st = p.states + line * p.state_stride_line + c * p.state_stride_dim;
     // New tap k is local token len - 3 + k; before the sequence it is old tap k + len.
     float next[3];

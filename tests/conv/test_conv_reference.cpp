@@ -253,6 +253,25 @@ TEST_CASE("the reference writes nothing for skipped sequences and rows past the 
   }
 }
 
+TEST_CASE("the reference treats a null has_initial_state as no sequence having one") {
+  HostConv h;
+  make_digits(h, 3, false);
+  PackedConvArgs a = h.args();
+  a.has_initial_state = nullptr;
+  kda::reference::causal_conv1d(a);
+  const int64_t tokens[] = {0, 3, 4, 5};
+  const float ch0[] = {1000, 4000, 5400, 6540};
+  const float ch1[] = {1.25f, 4.25f, 45.25f, 456.25f};
+  for (int i = 0; i < 4; ++i) {
+    CHECK(h.out_value(0, tokens[i]) == ch0[i]);
+    CHECK(h.out_value(1, tokens[i]) == ch1[i]);
+  }
+  CHECK(h.st(2, 0, 0) == 0.0f);
+  CHECK(h.st(2, 0, 1) == 0.0f);
+  CHECK(h.st(2, 0, 2) == 1.0f);
+  CHECK(h.st(4, 1, 0) == 4.0f);
+}
+
 TEST_CASE("the reference writes planes out_plane_stride apart and leaves the gap alone") {
   HostConv h;
   make_digits(h, 3, false);
@@ -445,7 +464,7 @@ TEST_CASE("the reference rejects malformed arguments and writes nothing") {
     CHECK_THROWS_WITH_AS(run(a), doctest::Contains("out_plane_stride 9"), kda::Error);
   }
   SUBCASE("null arrays") {
-    a.has_initial_state = nullptr;
+    a.cache_indices = nullptr;
     CHECK_THROWS_WITH_AS(run(a), doctest::Contains("must be non-null"), kda::Error);
   }
   SUBCASE("the function is named") {
