@@ -1,0 +1,215 @@
+// Argument checks of the KDA step launchers and the StepContext adapters; host only, no device
+// memory is touched (the pointers are never dereferenced).
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "kda/error.h"
+#include "kda/prefill.h"
+#include "layer/kda_steps.h"
+
+namespace {
+
+// Distinct, suitably aligned addresses that are never dereferenced.
+template <typename T>
+T* fake(uintptr_t slot) {
+  return reinterpret_cast<T*>(uintptr_t{1} << 20 | slot << 12);
+}
+
+kda::PrepRecurrenceArgs valid_recurrence_args() {
+  kda::PrepRecurrenceArgs a;
+  a.num_heads = 3;
+  a.num_tokens = 100;
+  a.max_seqs = 8;
+  a.query_start_loc = fake<const int32_t>(1);
+  a.cache_indices = fake<const int32_t>(2);
+  a.has_initial_state = fake<const bool>(3);
+  a.q = fake<const void>(4);
+  a.k = fake<const void>(5);
+  a.v = fake<const void>(6);
+  a.qkv_row_stride = 384;
+  a.g1 = fake<const void>(7);
+  a.g1_row_stride = 388;
+  a.b = fake<const void>(8);
+  a.b_row_stride = 1472;
+  a.b_col_offset = 1152;
+  a.a_log = fake<const float>(9);
+  a.dt_bias = fake<const float>(10);
+  a.states = fake<float>(11);
+  a.cache_lines = 5;
+  a.state_stride_line = 3 * 128 * 128;
+  a.state_stride_head = 128 * 128;
+  a.state_stride_k = 128;
+  a.state_stride_v = 1;
+  a.o = fake<void>(12);
+  a.o_row_stride = 384;
+  return a;
+}
+
+kda::GatedRmsNormArgs valid_rmsnorm_args() {
+  kda::GatedRmsNormArgs a;
+  a.num_heads = 3;
+  a.num_tokens = 100;
+  a.query_start_loc = fake<const int32_t>(1);
+  a.num_seqs = 8;
+  a.o = fake<const void>(2);
+  a.o_row_stride = 384;
+  a.g2 = fake<const void>(3);
+  a.g2_row_stride = 392;
+  a.weight = fake<const void>(4);
+  a.y = fake<void>(5);
+  a.y_row_stride = 384;
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names what is wrong") {
+  kda::PrepRecurrenceArgs a = valid_recurrence_args();
+  std::string why;
+  REQUIRE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK(why.empty());
+
+  std::string expect;
+  SUBCASE("head_dim") { a.head_dim = 64; expect = "only 128"; }
+  SUBCASE("no heads") { a.num_heads = 0; expect = "num_heads 0"; }
+  SUBCASE("too many heads for the grid") { a.num_heads = 20000; expect = "num_heads 20000"; }
+  SUBCASE("negative tokens") { a.num_tokens = -1; expect = "num_tokens -1"; }
+  SUBCASE("missing metadata") { a.cache_indices = nullptr; expect = "cache_indices"; }
+  SUBCASE("missing plane") { a.v = nullptr; expect = "q, k, v, g1 and b"; }
+  SUBCASE("missing pool") { a.states = nullptr; expect = "states"; }
+  SUBCASE("missing o") { a.o = nullptr; expect = "o must be set"; }
+  SUBCASE("row stride below P") { a.qkv_row_stride = 380; expect = "qkv_row_stride 380"; }
+  SUBCASE("row stride not a multiple of 4") { a.g1_row_stride = 386; expect = "g1_row_stride 386"; }
+  SUBCASE("misaligned q") { a.q = static_cast<const char*>(a.q) + 2; expect = "8-byte aligned"; }
+  SUBCASE("misaligned v") { a.v = static_cast<const char*>(a.v) + 1; expect = "2-byte"; }
+  SUBCASE("b columns past the row") { a.b_col_offset = 1470; expect = "b columns [1470, 1473)"; }
+  SUBCASE("o row stride below P") { a.o_row_stride = 200; expect = "o_row_stride 200"; }
+  SUBCASE("non-negative lower bound") { a.gate_lower_bound = 0.0; expect = "gate_lower_bound 0"; }
+  SUBCASE("infinite lower bound") { a.gate_lower_bound = -std::numeric_limits<double>::infinity(); expect = "finite and negative"; }
+  SUBCASE("zero state stride") { a.state_stride_v = 0; expect = "must be positive"; }
+  SUBCASE("overlapping heads") { a.state_stride_head = 128 * 127; expect = "overlap"; }
+  SUBCASE("overlapping lines") { a.state_stride_line = 2 * 128 * 128; expect = "overlap"; }
+  SUBCASE("transposed state strides are fine") {
+    a.state_stride_k = 1;
+    a.state_stride_v = 128;
+    a.state_stride_head = 128 * 128 + 32;
+    a.state_stride_line = 3 * a.state_stride_head + 100;
+    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    return;
+  }
+  SUBCASE("a lower bound and has_initial_state absent are fine") {
+    a.gate_lower_bound = -5.0;
+    a.has_initial_state = nullptr;
+    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    return;
+  }
+  CAPTURE(expect);
+  CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK(why.find(expect) != std::string::npos);
+  CHECK_FALSE(kda::kda_prep_recurrence_supported(a));  // why is optional
+  // The launcher reports the same sentence before touching the device.
+  try {
+    kda::kda_prep_recurrence(a, nullptr);
+    FAIL("kda_prep_recurrence accepted bad arguments");
+  } catch (const kda::Error& e) {
+    CHECK(e.function() == "kda::kda_prep_recurrence");
+    CHECK(e.message() == why);
+  }
+}
+
+TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what is wrong") {
+  kda::GatedRmsNormArgs a = valid_rmsnorm_args();
+  std::string why;
+  REQUIRE(kda::gated_rmsnorm_supported(a, &why));
+
+  std::string expect;
+  SUBCASE("head_dim") { a.head_dim = 256; expect = "only 128"; }
+  SUBCASE("no heads") { a.num_heads = 0; expect = "num_heads 0"; }
+  SUBCASE("missing weight") { a.weight = nullptr; expect = "must be set"; }
+  SUBCASE("misaligned g2") { a.g2 = static_cast<const char*>(a.g2) + 4; expect = "8-byte aligned"; }
+  SUBCASE("y row stride below P") { a.y_row_stride = 256; expect = "y_row_stride 256"; }
+  SUBCASE("o row stride not a multiple of 4") { a.o_row_stride = 390; expect = "o_row_stride 390"; }
+  SUBCASE("eps zero") { a.eps = 0.0; expect = "eps 0"; }
+  SUBCASE("eps NaN") { a.eps = std::numeric_limits<double>::quiet_NaN(); expect = "positive and finite"; }
+  SUBCASE("no query_start_loc is fine") {
+    a.query_start_loc = nullptr;
+    CHECK(kda::gated_rmsnorm_supported(a, &why));
+    return;
+  }
+  CAPTURE(expect);
+  CHECK_FALSE(kda::gated_rmsnorm_supported(a, &why));
+  CHECK(why.find(expect) != std::string::npos);
+  CHECK_THROWS_WITH_AS(kda::gated_rmsnorm(a, nullptr), doctest::Contains(why.c_str()), kda::Error);
+}
+
+TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
+  // Without a device a launch would fail; these return before any CUDA call.
+  kda::PrepRecurrenceArgs r = valid_recurrence_args();
+  r.max_seqs = 0;
+  CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
+  r = valid_recurrence_args();
+  r.num_tokens = 0;
+  CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
+  kda::GatedRmsNormArgs g = valid_rmsnorm_args();
+  g.num_tokens = 0;
+  CHECK_NOTHROW(kda::gated_rmsnorm(g, nullptr));
+}
+
+TEST_CASE("the StepContext adapters read the module's layout") {
+  kda::Config config;
+  config.model.hidden_size = 2304;
+  config.model.num_heads = 4;
+  config.model.norm_eps = 2e-5;
+  config.model.gate_lower_bound = -5.0;
+  config.pools.cache_lines = 9;
+  config.pools.null_line = 0;
+  kda::LayerWeights weights;
+  weights.A_log = fake<const float>(20);
+  weights.dt_bias = fake<const float>(21);
+  weights.o_norm_weight = fake<const void>(22);
+  kda::StepContext ctx;
+  ctx.bucket_tokens = 512;
+  ctx.max_seqs = 16;
+  ctx.query_start_loc = fake<const int32_t>(1);
+  ctx.cache_indices = fake<const int32_t>(2);
+  ctx.has_initial_state = fake<const bool>(3);
+  ctx.in_proj_out = fake<void>(4);
+  ctx.q = fake<void>(5);
+  ctx.k = fake<void>(6);
+  ctx.v = fake<void>(7);
+  ctx.recurrent_states = fake<float>(8);
+  ctx.weights = &weights;
+  ctx.config = &config;
+  const int64_t p = 512;
+
+  const kda::PrepRecurrenceArgs r = kda::prep_recurrence_args_for_step(ctx, fake<const void>(30), p, fake<void>(31), p);
+  CHECK(r.num_heads == 4);
+  CHECK(r.num_tokens == 512);
+  CHECK(r.max_seqs == 16);
+  CHECK(r.qkv_row_stride == p);
+  CHECK(r.b == ctx.in_proj_out);
+  CHECK(r.b_col_offset == 3 * p);
+  CHECK(r.b_row_stride == config.model.in_proj_stride());
+  CHECK(r.a_log == weights.A_log);
+  CHECK(r.gate_lower_bound == -5.0);
+  CHECK(r.cache_lines == 9);
+  CHECK(r.state_stride_line == 4 * 128 * 128);
+  CHECK(r.state_stride_v == 1);
+  std::string why;
+  CHECK(kda::kda_prep_recurrence_supported(r, &why));
+  CHECK(why.empty());
+
+  const kda::GatedRmsNormArgs g = kda::gated_rmsnorm_args_for_step(ctx, fake<const void>(31), p, fake<const void>(32), p,
+                                                                   fake<void>(33), p);
+  CHECK(g.num_tokens == 512);
+  CHECK(g.num_seqs == 16);
+  CHECK(g.eps == 2e-5);
+  CHECK(g.weight == weights.o_norm_weight);
+  CHECK(kda::gated_rmsnorm_supported(g, &why));
+
+  ctx.weights = nullptr;
+  CHECK_THROWS_AS(kda::prep_recurrence_args_for_step(ctx, nullptr, p, nullptr, p), kda::Error);
+}
