@@ -11,8 +11,12 @@ namespace {
 
 constexpr const char* kPlanFn = "kda::detail::GemmPlan";
 constexpr const char* kRunFn = "kda::detail::GemmPlan::run";
-// Heuristic results asked for at the largest bucket; enough that some avoid split-K.
+// Heuristic results asked for; enough that some avoid split-K.
 constexpr int kHeuristicResults = 32;
+// The heuristic is asked at this M, whatever the buckets are, so that two modules with the same
+// GEMM shape but different bucket lists pick the same algorithm and give the same bits for a
+// token row (a split batch on one module equals the unsplit run on another).
+constexpr int64_t kHeuristicM = 16384;
 
 bool is_pow2_upto_256(uint32_t v) { return v >= 1 && v <= 256 && (v & (v - 1)) == 0; }
 
@@ -105,10 +109,16 @@ GemmPlan::GemmPlan(cublasLtHandle_t handle, const GemmShape& shape,
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &aligns[2], sizeof(uint32_t));
       if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &aligns[3], sizeof(uint32_t));
+      cublasLtMatrixLayout_t ref_a = nullptr, ref_c = nullptr;
       if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulAlgoGetHeuristic(handle_, desc_, layout_w_, layouts_a_.back(),
-                                            layouts_c_.back(), layouts_c_.back(), pref,
+        st = cublasLtMatrixLayoutCreate(&ref_a, CUDA_R_16BF, shape.k, kHeuristicM, shape.lda);
+      if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatrixLayoutCreate(&ref_c, CUDA_R_16BF, shape.n, kHeuristicM, shape.ldc);
+      if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulAlgoGetHeuristic(handle_, desc_, layout_w_, ref_a, ref_c, ref_c, pref,
                                             kHeuristicResults, results, &returned);
+      if (ref_a) cublasLtMatrixLayoutDestroy(ref_a);
+      if (ref_c) cublasLtMatrixLayoutDestroy(ref_c);
       heuristic_status = st;
     }
     cublasLtMatmulPreferenceDestroy(pref);

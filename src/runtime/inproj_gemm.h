@@ -49,7 +49,8 @@ struct GemmShape {
 class GemmPlan {
  public:
   // Builds descriptors for every M in `bucket_ms` (strictly increasing, >= 1) and picks the
-  // algorithm at the largest M with at most `workspace_bytes` of workspace; checks it with
+  // algorithm the heuristic ranks best at a fixed M (16384, independent of the buckets, so equal
+  // shapes give equal bits across modules) with at most `workspace_bytes`; checks it with
   // cublasLtMatmulAlgoCheck for every M. Throws kda::Error naming the shape when no
   // algorithm without split-K works for all of them.
   GemmPlan(cublasLtHandle_t handle, const GemmShape& shape, const std::vector<int64_t>& bucket_ms,
