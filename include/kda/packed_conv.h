@@ -39,7 +39,7 @@ struct PackedConvArgs {
   int64_t num_seqs = 0;
   const int32_t* cache_indices = nullptr;                 // (num_seqs), element stride below
   int64_t cache_indices_stride = 1;
-  const bool* has_initial_state = nullptr;                // (num_seqs)
+  const bool* has_initial_state = nullptr;                // (num_seqs); nullptr: none has one
   int64_t part_dim = 0;                                   // dim = parts x part_dim
   bool silu = true;
   std::optional<int32_t> null_block_id = 0;               // sequences on this line are skipped

@@ -1,1 +1,166 @@
-// placeholder: being written
+// packed_causal_conv1d_supported(): which arguments the packed kernel runs bit for bit.
+// Reads no device memory; pointers are only checked for null and alignment.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "common/check.h"
+#include "conv/conv_params.h"
+#include "kda/packed_conv.h"
+
+namespace kda {
+
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+bool aligned_to(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+// a * b + c for non-negative operands, or -1 when it exceeds int64.
+int64_t mul_add_or_overflow(int64_t a, int64_t b, int64_t c) {
+  if (c < 0) return -1;
+  if (a != 0 && b > (kInt64Max - c) / a) return -1;
+  return a * b + c;
+}
+
+// Whether an array of three dimensions (size, element stride) maps distinct indices to distinct
+// elements: sorted by stride, each stride must step over the whole extent of the smaller ones.
+bool strides_do_not_overlap(std::array<std::pair<int64_t, int64_t>, 3> dims) {
+  std::sort(dims.begin(), dims.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  int64_t extent = 1;  // elements spanned by the dimensions sorted so far
+  for (const auto& [size, stride] : dims) {
+    if (size <= 1) continue;
+    if (stride < extent) return false;
+    const int64_t next = mul_add_or_overflow(stride, size - 1, extent);
+    if (next < 0) return false;
+    extent = next;
+  }
+  return true;
+}
+
+bool fail(std::string* why, std::string reason) {
+  if (why) *why = std::move(reason);
+  return false;
+}
+
+}  // namespace
+
+bool packed_causal_conv1d_supported(const PackedConvArgs& a, std::string* why) {
+  using detail::str_cat;
+  const int dtype_value = static_cast<int>(a.x_dtype);
+  if (dtype_value < static_cast<int>(DType::BF16) || dtype_value > static_cast<int>(DType::FP32))
+    return fail(why, str_cat("x_dtype has the invalid value ", dtype_value,
+                             "; supported are bf16, fp16 and fp32"));
+
+  if (!a.x) return fail(why, "x is null");
+  if (!a.weight) return fail(why, "weight is null");
+  if (!a.conv_states) return fail(why, "conv_states is null");
+  if (!a.query_start_loc) return fail(why, "query_start_loc is null");
+  if (!a.cache_indices) return fail(why, "cache_indices is null");
+  if (!a.out) return fail(why, "out is null");
+
+  const std::size_t elem = dtype_size(a.x_dtype);
+  if (!aligned_to(a.x, elem))
+    return fail(why, str_cat("x is not aligned to its ", elem, "-byte ", dtype_name(a.x_dtype),
+                             " elements"));
+  if (!aligned_to(a.out, elem))
+    return fail(why, str_cat("out is not aligned to its ", elem, "-byte ",
+                             dtype_name(a.x_dtype), " elements"));
+  if (!aligned_to(a.weight, 4) || (a.bias && !aligned_to(a.bias, 4)) ||
+      !aligned_to(a.conv_states, 4) || !aligned_to(a.query_start_loc, 4) ||
+      !aligned_to(a.cache_indices, 4))
+    return fail(why, "weight, bias, conv_states, query_start_loc and cache_indices must be "
+                     "aligned to their 4-byte elements");
+
+  if (a.num_tokens < 0) return fail(why, str_cat("num_tokens ", a.num_tokens, " is negative"));
+  if (a.num_tokens > kInt32Max)
+    return fail(why, str_cat("num_tokens ", a.num_tokens,
+                             " exceeds 2147483647 (query_start_loc is int32)"));
+  if (a.num_seqs < 0) return fail(why, str_cat("num_seqs ", a.num_seqs, " is negative"));
+  if (a.num_seqs >= kInt32Max)
+    return fail(why, str_cat("num_seqs ", a.num_seqs, " must be below 2147483647"));
+  if (a.part_dim <= 0) return fail(why, str_cat("part_dim ", a.part_dim, " must be positive"));
+  if (a.part_dim % 64 != 0)
+    return fail(why, str_cat("part_dim ", a.part_dim, " is not a multiple of 64"));
+  if (a.dim <= 0) return fail(why, str_cat("dim ", a.dim, " must be positive"));
+  if (a.dim % a.part_dim != 0)
+    return fail(why, str_cat("dim ", a.dim, " is not a multiple of part_dim ", a.part_dim));
+  if (a.x_row_stride < a.dim)
+    return fail(why, str_cat("x_row_stride ", a.x_row_stride, " is smaller than dim ", a.dim));
+
+  if (a.weight_stride_dim < 0 || a.weight_stride_tap < 0)
+    return fail(why, str_cat("weight strides (", a.weight_stride_dim, ", ", a.weight_stride_tap,
+                             ") must not be negative"));
+
+  const int64_t weight_taps_extent = mul_add_or_overflow(3, a.weight_stride_tap, 1);
+  if (weight_taps_extent < 0 ||
+      mul_add_or_overflow(a.dim - 1, a.weight_stride_dim, weight_taps_extent) < 0)
+    return fail(why, "weight's extent (dim, strides) overflows 64-bit addressing");
+
+  if (a.num_cache_lines < 1)
+    return fail(why, str_cat("num_cache_lines ", a.num_cache_lines, " must be at least 1"));
+  if (a.state_len < 3)
+    return fail(why, str_cat("state_len ", a.state_len,
+                             " is below 3 (the width-4 conv keeps 3 history columns)"));
+  if (a.state_stride_line < 0 || a.state_stride_dim < 0 || a.state_stride_tap < 0)
+    return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ",
+                             a.state_stride_dim, ", ", a.state_stride_tap,
+                             ") must not be negative"));
+  if (!strides_do_not_overlap({{{a.num_cache_lines, a.state_stride_line},
+                                {a.dim, a.state_stride_dim},
+                                {a.state_len, a.state_stride_tap}}}))
+    return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ",
+                             a.state_stride_dim, ", ", a.state_stride_tap,
+                             ") make different (line, channel, tap) elements overlap or "
+                             "overflow 64-bit addressing"));
+  if (a.cache_indices_stride < 1)
+    return fail(why, str_cat("cache_indices_stride ", a.cache_indices_stride,
+                             " must be at least 1"));
+  if (a.num_seqs > 0 && mul_add_or_overflow(a.num_seqs - 1, a.cache_indices_stride, 1) < 0)
+    return fail(why, "cache_indices' extent (num_seqs, cache_indices_stride) overflows 64-bit "
+                     "addressing");
+
+  const int64_t plane_rows = a.num_tokens * a.part_dim;  // <= 2^31 * 2^31: no overflow
+  if (a.out_plane_stride < 0)
+    return fail(why, str_cat("out_plane_stride ", a.out_plane_stride, " is negative"));
+  if (a.out_plane_stride != 0 && a.out_plane_stride < plane_rows)
+    return fail(why, str_cat("out_plane_stride ", a.out_plane_stride,
+                             " is smaller than num_tokens * part_dim = ", plane_rows));
+
+  // Byte extents of x and out must be addressable, and the two must not overlap (the kernel
+  // reads x through the read-only cache while it writes out).
+  const int64_t parts = a.dim / a.part_dim;
+  const int64_t plane_stride = a.out_plane_stride != 0 ? a.out_plane_stride : plane_rows;
+  if (a.num_tokens > 0) {
+    const int64_t x_elems = mul_add_or_overflow(a.num_tokens - 1, a.x_row_stride, a.dim);
+    const int64_t out_elems = mul_add_or_overflow(parts - 1, plane_stride, plane_rows);
+    const int64_t e = static_cast<int64_t>(elem);
+    if (x_elems < 0 || x_elems > kInt64Max / e)
+      return fail(why, "x's extent (num_tokens, x_row_stride) overflows 64-bit addressing");
+    if (out_elems < 0 || out_elems > kInt64Max / e)
+      return fail(why, "out's extent (planes, out_plane_stride) overflows 64-bit addressing");
+    const auto x_begin = reinterpret_cast<std::uintptr_t>(a.x);
+    const auto out_begin = reinterpret_cast<std::uintptr_t>(a.out);
+    const std::uintptr_t x_end = x_begin + static_cast<std::uintptr_t>(x_elems * e);
+    const std::uintptr_t out_end = out_begin + static_cast<std::uintptr_t>(out_elems * e);
+    if (x_begin < out_end && out_begin < x_end) return fail(why, "out overlaps x");
+  }
+
+  if (a.num_tokens > 0 && a.num_seqs > 0) {
+    const conv::PackedConvParams p = conv::make_params(a);
+    if (p.num_ctas > kInt32Max)
+      return fail(why, str_cat("the launch needs ", p.num_ctas,
+                               " thread blocks, more than the 2147483647 a grid can hold"));
+  }
+  if (why) why->clear();
+  return true;
+}
+
+}  // namespace kda

@@ -1,0 +1,126 @@
+#include "conv/conv_params.h"
+
+#include <cstdint>
+
+#include "common/check.h"
+#include "conv/program_map.h"
+
+namespace kda::conv {
+
+namespace {
+
+bool aligned(const void* p, int64_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(bytes) == 0;
+}
+
+int log2_exact(int64_t v) {
+  int s = 0;
+  while ((int64_t{1} << s) < v) ++s;
+  return s;
+}
+
+int64_t resolved_plane_stride(const PackedConvArgs& args) {
+  return args.out_plane_stride != 0 ? args.out_plane_stride : args.num_tokens * args.part_dim;
+}
+
+// Whether every lane's vector of `vec` channels is aligned for its access width.
+bool vec_fits(const PackedConvArgs& args, int vec) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(args.x_dtype));
+  const int64_t access = vec * elem < 16 ? vec * elem : 16;
+  if (args.part_dim % (32 * vec) != 0) return false;
+  return aligned(args.x, access) && (args.x_row_stride * elem) % access == 0 &&
+         aligned(args.out, access) && (resolved_plane_stride(args) * elem) % access == 0 &&
+         (args.part_dim * elem) % access == 0;
+}
+
+}  // namespace
+
+int default_vec(const PackedConvArgs& args) {
+  for (int vec : {4, 2}) {
+    if (vec_fits(args, vec)) return vec;
+  }
+  return 1;
+}
+
+int default_chunk_len(int64_t num_tokens, int64_t dim) {
+  const int64_t nominal_col_blocks = dim >= kNominalTile ? dim / kNominalTile : 1;
+  for (int chunk : {64, 32}) {
+    if ((num_tokens / chunk) * nominal_col_blocks >= kMinPrograms) return chunk;
+  }
+  return 16;
+}
+
+std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
+  if (tuning.vec != 0) {
+    if (tuning.vec != 8 && tuning.vec != 4 && tuning.vec != 2 && tuning.vec != 1)
+      return detail::str_cat("vec ", tuning.vec, " is not one of 8, 4, 2, 1 (or 0 for the default)");
+    if (!vec_fits(args, tuning.vec))
+      return detail::str_cat("vec ", tuning.vec, " does not fit: 32 * vec must divide part_dim ",
+                             args.part_dim,
+                             " and x, out and their row/plane strides must be aligned to the "
+                             "vector width");
+  }
+  if (tuning.chunk_len != 0) {
+    const int c = tuning.chunk_len;
+    if (c != 8 && c != 16 && c != 32 && c != 64 && c != 128 && c != 256)
+      return detail::str_cat("chunk_len ", c,
+                             " is not one of 8, 16, 32, 64, 128, 256 (or 0 for the default)");
+  }
+  if (tuning.warps_per_cta != 0) {
+    const int w = tuning.warps_per_cta;
+    if (w != 1 && w != 2 && w != 4 && w != 8)
+      return detail::str_cat("warps_per_cta ", w, " is not one of 1, 2, 4, 8 (or 0 for the default)");
+  }
+  const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
+  const int warps = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
+  if (warps * staging_bytes_per_warp(32 * vec) > kMaxStagingBytes)
+    return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
+                           warps * staging_bytes_per_warp(32 * vec),
+                           " bytes of shared memory, more than ", kMaxStagingBytes);
+  return {};
+}
+
+PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tuning) {
+  PackedConvParams p;
+  p.x = args.x;
+  p.out = args.out;
+  p.weight = args.weight;
+  p.bias = args.bias;
+  p.conv_states = args.conv_states;
+  p.query_start_loc = args.query_start_loc;
+  p.cache_indices = args.cache_indices;
+  p.has_initial_state = args.has_initial_state;
+  p.num_tokens = args.num_tokens;
+  p.num_seqs = args.num_seqs;
+  p.dim = args.dim;
+  p.part_dim = args.part_dim;
+  p.x_row_stride = args.x_row_stride;
+  p.weight_stride_dim = args.weight_stride_dim;
+  p.weight_stride_tap = args.weight_stride_tap;
+  p.num_cache_lines = args.num_cache_lines;
+  p.state_stride_line = args.state_stride_line;
+  p.state_stride_dim = args.state_stride_dim;
+  p.state_stride_tap = args.state_stride_tap;
+  p.cache_indices_stride = args.cache_indices_stride;
+  p.out_plane_stride = resolved_plane_stride(args);
+  p.has_null_block = args.null_block_id.has_value();
+  p.null_block_id = args.null_block_id.value_or(0);
+  p.silu = args.silu;
+  p.x_dtype = args.x_dtype;
+
+  p.vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
+  p.tile = 32 * p.vec;
+  p.num_col_blocks = args.dim / p.tile;
+  const int chunk = tuning.chunk_len != 0 ? tuning.chunk_len
+                                          : default_chunk_len(args.num_tokens, args.dim);
+  p.chunk_shift = log2_exact(chunk);
+  p.search_steps = search_steps(args.num_seqs);
+  p.search_stride = search_stride(p.search_steps);
+  p.programs_per_col_block = programs_per_col_block(args.num_tokens, args.num_seqs, p.chunk_shift);
+  p.num_programs = p.programs_per_col_block * p.num_col_blocks;
+  p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
+  p.num_ctas = (p.num_programs + p.warps_per_cta - 1) / p.warps_per_cta;
+  return p;
+}
+
+}  // namespace kda::conv

@@ -1,0 +1,95 @@
+// Kernel-facing parameters of the packed conv, and the choice of the launch shape.
+// Plain C++ (no CUDA headers): the launcher, supported() and CPU tests share it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kda/packed_conv.h"
+
+namespace kda::conv {
+
+// Choices a benchmark may force; 0 means the launcher's default.
+struct ConvTuning {
+  int vec = 0;            // channels per lane: 8, 4, 2 or 1 (tile = 32 * vec channels)
+  int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
+  int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one program
+};
+
+// Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
+struct PackedConvParams {
+  const void* x = nullptr;
+  void* out = nullptr;
+  const float* weight = nullptr;
+  const float* bias = nullptr;  // nullptr: acc starts at +0.0f
+  float* conv_states = nullptr;
+  const int32_t* query_start_loc = nullptr;
+  const int32_t* cache_indices = nullptr;
+  const bool* has_initial_state = nullptr;  // nullptr: no sequence has an initial state
+
+  int64_t num_tokens = 0;  // capacity; rows past query_start_loc[num_seqs] are not written
+  int64_t num_seqs = 0;    // capacity
+  int64_t dim = 0;
+  int64_t part_dim = 0;
+  int64_t x_row_stride = 0;
+  int64_t weight_stride_dim = 0, weight_stride_tap = 0;
+  int64_t num_cache_lines = 0;
+  int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
+  int64_t cache_indices_stride = 0;
+  int64_t out_plane_stride = 0;  // resolved: never 0
+  int32_t null_block_id = 0;
+  bool has_null_block = false;
+  bool silu = true;
+  DType x_dtype = DType::BF16;
+
+  // Launch shape.
+  int vec = 0;          // channels per lane
+  int tile = 0;         // channels per program = 32 * vec; divides part_dim
+  int chunk_shift = 0;  // tokens per program = 1 << chunk_shift
+  int search_steps = 0;
+  int64_t search_stride = 0;
+  int64_t num_col_blocks = 0;          // dim / tile
+  int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
+  int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
+  int warps_per_cta = 0;
+  int64_t num_ctas = 0;  // ceil(num_programs / warps_per_cta)
+};
+
+// The default vector width (channels per lane): the widest of 4, 2, 1 such that 32 * vec
+// divides part_dim and the x pointer, the x row stride in bytes, the out pointer and the out
+// plane stride in bytes are multiples of min(16, vec * element size). vec 4 (128-channel
+// tiles, 8-byte bf16 accesses) rather than 8: it needs 80 registers instead of 128, so 24
+// instead of 16 warps fit an SM, with the same bytes in flight per warp. vec 8 is available
+// through ConvTuning. Narrower vectors give the same bits.
+int default_vec(const PackedConvArgs& args);
+
+// Tokens per program: the longest of 64, 32, 16 that still gives at least kMinPrograms
+// programs of real work, (num_tokens / C) * (dim / kNominalTile), so short batches spread over
+// the whole GPU (132 SMs x 24 warps on an H200); 16 when none does. It depends on capacities
+// and dim only, never on the pointer alignment that picks the vector width.
+constexpr int64_t kMinPrograms = 2048;
+constexpr int64_t kNominalTile = 128;
+int default_chunk_len(int64_t num_tokens, int64_t dim);
+
+constexpr int kDefaultWarpsPerCta = 4;
+constexpr int kMaxWarpsPerCta = 8;
+
+// Each warp stages its tile's 4 taps and 3 state columns in shared memory, rows padded by 8
+// floats. A launch stays within the 48 KiB of dynamic shared memory available without opt-in.
+constexpr int staging_floats_per_warp(int tile) { return 7 * (tile + 8); }
+constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
+constexpr int64_t kMaxStagingBytes = 48 * 1024;
+
+// Empty when `tuning` can run `args`, otherwise why not (a sentence naming the allowed values).
+std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning);
+
+// Params for args that passed packed_causal_conv1d_supported() and a tuning that passed
+// check_tuning(); zero fields of tuning take the defaults.
+PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tuning = {});
+
+// Enqueues the kernel with a forced tuning (for benchmarks and tests of every instance). Throws
+// kda::Error ("kda::conv::launch_packed_conv") when the args are unsupported or the tuning is
+// invalid; enqueues nothing then. packed_causal_conv1d(args, s) is launch_packed_conv(args, {}, s).
+void launch_packed_conv(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream);
+
+}  // namespace kda::conv

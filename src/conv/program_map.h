@@ -1,0 +1,144 @@
+// The packed conv's program map: which (sequence, token chunk) a program handles, computed
+// from query_start_loc alone so the grid depends only on capacities (CUDA graph safe).
+//
+// Chunk length C = 2^chunk_shift tokens. For sequence s let f(s) = floor(qsl[s] / C) + s.
+// f is strictly increasing and f(s+1) - f(s) >= ceil(len(s) / C), because
+// floor(b/C) - floor(a/C) >= floor((b-a)/C). Program p (per column block) belongs to the largest
+// s in [0, num_seqs) with f(s) <= p; its chunk k = p - f(s) covers the tokens
+// [qsl[s] + k*C, min(qsl[s] + (k+1)*C, qsl[s+1])), which may be empty. Chunks are relative to the
+// sequence start, so only chunk 0 needs history from the conv state. Since
+// f(num_seqs - 1) + ceil(len / C) <= floor(qsl[num_seqs] / C) + num_seqs, every chunk of a batch
+// with qsl[num_seqs] <= num_tokens has a program below programs_per_col_block().
+//
+// The search is radix-32: search_steps levels (32^steps >= num_seqs); each level compares
+// f(base + j*stride) with p for the 32 candidates j and keeps the last one that is <= p.
+// On the host (and in tests) a loop counts the candidates; in the kernel the 32 lanes of a
+// warp each load one candidate and count with __ballot_sync. Both go through
+// find_sequence(), so they give the same answer.
+#pragma once
+
+#include <cstdint>
+
+#ifndef KDA_HOST_DEVICE
+#if defined(__CUDACC__)
+#define KDA_HOST_DEVICE __host__ __device__
+#else
+#define KDA_HOST_DEVICE
+#endif
+#endif
+
+namespace kda::conv {
+
+constexpr int kRadix = 32;
+constexpr int kRadixShift = 5;
+
+// Levels of the radix search for num_seqs sequences: the smallest n >= 1 with 32^n >= num_seqs.
+KDA_HOST_DEVICE inline int search_steps(int64_t num_seqs) {
+  int steps = 1;
+  int64_t reach = kRadix;
+  while (reach < num_seqs) {
+    reach <<= kRadixShift;
+    ++steps;
+  }
+  return steps;
+}
+
+// Candidate spacing at the first level: 32^(steps - 1).
+KDA_HOST_DEVICE inline int64_t search_stride(int steps) {
+  return int64_t{1} << (kRadixShift * (steps - 1));
+}
+
+// Programs per column block for capacities num_tokens and num_seqs.
+KDA_HOST_DEVICE inline int64_t programs_per_col_block(int64_t num_tokens, int64_t num_seqs,
+                                                      int chunk_shift) {
+  return (num_tokens >> chunk_shift) + num_seqs;
+}
+
+// f(s): the first program of sequence s. An arithmetic shift is floor division, also for the
+// negative qsl values of malformed input (the kernel skips such sequences afterwards).
+KDA_HOST_DEVICE inline int64_t first_program(int32_t qsl_s, int64_t s, int chunk_shift) {
+  return (static_cast<int64_t>(qsl_s) >> chunk_shift) + s;
+}
+
+// The radix search. count(base, stride) returns how many of the candidates
+// base + j*stride (j in [0, 32), candidate < num_seqs) have f(candidate) <= p; because f is
+// increasing they are a prefix of j. Returns the sequence of program p, or -1 when
+// f(0) > p (no sequence starts at or before p).
+template <typename CountFn>
+KDA_HOST_DEVICE inline int64_t find_sequence(int steps, int64_t stride, CountFn&& count) {
+  int64_t base = 0;
+  for (int level = 0; level < steps; ++level) {
+    const int n = count(base, stride);
+    // Past level 0, candidate j = 0 is the previous level's answer, so n >= 1.
+    if (n == 0) return -1;
+    base += static_cast<int64_t>(n - 1) * stride;
+    stride >>= kRadixShift;
+  }
+  return base;
+}
+
+// One level of the search as a plain loop over the 32 candidates.
+KDA_HOST_DEVICE inline int count_candidates_scalar(const int32_t* qsl, int64_t num_seqs,
+                                                   int chunk_shift, int64_t p, int64_t base,
+                                                   int64_t stride) {
+  int n = 0;
+  for (int j = 0; j < kRadix; ++j) {
+    const int64_t cand = base + j * stride;
+    if (cand < num_seqs && first_program(qsl[cand], cand, chunk_shift) <= p) ++n;
+  }
+  return n;
+}
+
+// What program p (of one column block) does: tokens [begin, end) of sequence seq, chunk index
+// chunk; seq_begin / seq_end are qsl[seq] / qsl[seq + 1]. seq == -1 or begin >= end: nothing.
+struct ProgramChunk {
+  int64_t seq = -1;
+  int64_t chunk = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t seq_begin = 0;
+  int64_t seq_end = 0;
+};
+
+KDA_HOST_DEVICE inline ProgramChunk chunk_of_sequence(const int32_t* qsl, int64_t seq,
+                                                      int chunk_shift, int64_t p) {
+  ProgramChunk pc;
+  if (seq < 0) return pc;
+  pc.seq = seq;
+  pc.seq_begin = qsl[seq];
+  pc.seq_end = qsl[seq + 1];
+  pc.chunk = p - first_program(qsl[seq], seq, chunk_shift);
+  pc.begin = pc.seq_begin + pc.chunk * (int64_t{1} << chunk_shift);
+  const int64_t chunk_end = pc.begin + (int64_t{1} << chunk_shift);
+  pc.end = chunk_end < pc.seq_end ? chunk_end : pc.seq_end;
+  return pc;
+}
+
+// The scalar map (host and tests). steps and stride as from search_steps / search_stride.
+KDA_HOST_DEVICE inline ProgramChunk locate_program_scalar(const int32_t* qsl, int64_t num_seqs,
+                                                          int chunk_shift, int steps,
+                                                          int64_t stride, int64_t p) {
+  const int64_t seq = find_sequence(steps, stride, [&](int64_t base, int64_t st) {
+    return count_candidates_scalar(qsl, num_seqs, chunk_shift, p, base, st);
+  });
+  return chunk_of_sequence(qsl, seq, chunk_shift, p);
+}
+
+#if defined(__CUDACC__)
+// The warp-cooperative map, called by all 32 lanes of a warp with the same p: lane j loads
+// candidate j, so each level is one load per lane and one ballot. Returns the same chunk to
+// every lane.
+__device__ __forceinline__ ProgramChunk locate_program_warp(const int32_t* qsl, int64_t num_seqs,
+                                                            int chunk_shift, int steps,
+                                                            int64_t stride, int64_t p,
+                                                            int lane) {
+  const int64_t seq = find_sequence(steps, stride, [&](int64_t base, int64_t st) {
+    const int64_t cand = base + lane * st;
+    const bool le = cand < num_seqs && first_program(__ldg(qsl + cand), cand, chunk_shift) <= p;
+    return __popc(__ballot_sync(0xFFFFFFFFu, le));
+  });
+  return chunk_of_sequence(qsl, seq, chunk_shift, p);
+}
+#endif
+
+}  // namespace kda::conv
