@@ -3,7 +3,7 @@
 // what it is). Compiles under nvcc and under a plain C++ compiler.
 //
 // Bit-exact on the device: conv4_tap_fma, silu_stock (device), store_rn, load_f32.
-// Not bit-exact: silu_host_approx (std::exp2 and IEEE division instead of ex2.approx.f32 and
+// Not bit-exact: silu_host_approx (std::exp2 and IEEE division instead of ex2.approx and
 // div.full.f32); the CPU reference uses it for tolerance checks only. Host-side bf16/fp16
 // rounding lives in common/half_host.h.
 #pragma once
@@ -43,13 +43,16 @@ KDA_HOST_DEVICE inline float conv4_tap_fma(float h3, float h2, float h1, float h
 
 #if defined(__CUDACC__)
 // SiLU exactly as Triton lowers acc / (1 + exp(-acc)) for fp32. The _rn intrinsics are
-// never contracted into an fma; ex2.approx.f32 and div.full.f32 are what Triton emits and
-// have no C++ spelling, hence the inline PTX.
+// never contracted into an fma; ex2.approx and div.full.f32 are what Triton emits and have no
+// C++ spelling, hence the inline PTX. The .ftz form of ex2 gives the same final bits
+// (stock-conv.md; e only ever meets d = e + 1, where a subnormal e or 2^t for a subnormal t
+// rounds away) and saves the denormal fix-ups around MUFU.EX2. div.full stays non-ftz: a
+// subnormal acc has a subnormal quotient, which bf16 and fp16 outputs can represent.
 __device__ __forceinline__ float silu_stock(float acc) {
   const float n = __fsub_rn(0.0f, acc);  // a subtraction, not a negation
   const float t = __fmul_rn(n, kLog2e);
   float e;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(t));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
   const float d = __fadd_rn(e, 1.0f);
   float y;
   asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(acc), "f"(d));
@@ -74,7 +77,7 @@ __device__ __forceinline__ float load_f32(__nv_bfloat16 v) { return __bfloat162f
 __device__ __forceinline__ float load_f32(__half v) { return __half2float(v); }
 #endif
 
-// Host approximation of silu_stock: same steps, std::exp2 for ex2.approx.f32 and IEEE
+// Host approximation of silu_stock: same steps, std::exp2 for ex2.approx and IEEE
 // division for div.full.f32. Both differ from the device by a few ulp at most (far less than
 // one bf16 ulp except near rounding boundaries), so compare with a tolerance, never bitwise.
 inline float silu_host_approx(float acc) {
