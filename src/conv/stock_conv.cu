@@ -57,6 +57,12 @@ __device__ int64_t line_of_sequence(const StockPartParams& p, int64_t s) {
 // The sequence s with qsl[s] <= t < qsl[s + 1] (binary search for the first qsl entry > t),
 // or -1 when token t belongs to no sequence. The found s always has qsl[s] <= t, so with
 // qsl[s] >= 0 every row it implies lies in [0, t].
+// A flag byte other than 0 counts as true, as in the packed kernel.
+__device__ bool has_initial_state(const StockPartParams& p, int64_t s) {
+  return p.has_initial_state != nullptr &&
+         reinterpret_cast<const unsigned char*>(p.has_initial_state)[s] != 0;
+}
+
 __device__ int64_t sequence_of_token(const StockPartParams& p, int64_t t) {
   int64_t lo = 0, hi = p.num_seqs + 1;
   while (lo < hi) {
@@ -94,7 +100,7 @@ __global__ void conv_fp32_kernel(StockPartParams p) {
     const int64_t line = line_of_sequence(p, s);
     if (line < 0) continue;
     const int64_t begin = p.query_start_loc[s];
-    const bool init = p.has_initial_state && p.has_initial_state[s];
+    const bool init = has_initial_state(p, s);
     const float* st = p.states + line * p.state_stride_line + c * p.state_stride_dim;
     // h[k] is local token (t - begin) - 3 + k; before the sequence it is state tap 3 + j.
     float h[4];
@@ -120,7 +126,7 @@ __global__ void update_state_kernel(StockPartParams p) {
     const int64_t line = line_of_sequence(p, s);
     if (line < 0) continue;
     const int64_t len = end - begin;
-    const bool init = p.has_initial_state && p.has_initial_state[s];
+    const bool init = has_initial_state(p, s);
     float* st = p.states + line * p.state_stride_line + c * p.state_stride_dim;
     // New tap k is local token len - 3 + k; before the sequence it is old tap k + len.
     float next[3];
