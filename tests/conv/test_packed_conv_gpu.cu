@@ -6,9 +6,10 @@
 //
 // Every run draws fresh random data; the seed is printed first and KDA_TEST_SEED=<n>
 // reproduces it. KDA_TEST_QUICK=1 runs the reduced set meant for compute-sanitizer: one input
-// dtype per part_dim instead of three, ~15x fewer elements per case, the long (16384-token)
-// sequence at part_dim 64, 8 graph replays instead of 20 and a third of the tunings; every
-// other feature of the full set is still covered.
+// dtype per part_dim instead of three (each dtype still appears), 8x fewer elements per case,
+// the 16384-token sequence at part_dim 64 and not the fp32 4096-wide one, smaller graph
+// capacities with 8 replays instead of 20, and a quarter of the tunings; every other feature
+// of the full set is still covered.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -311,6 +312,7 @@ struct DeviceInputs {
     qsl.upload(hp.qsl);
     cache.upload(hp.cache);
     init.upload(hp.init);
+    kda::test::device_synchronize();
   }
 };
 
@@ -323,9 +325,12 @@ struct DeviceOutputs {
   DeviceBuffer states, out;
   explicit DeviceOutputs(const HostProblem& hp)
       : states(hp.states.size() * sizeof(float)), out(static_cast<std::size_t>(hp.out_elems) * hp.esize()) {}
+  // Uploads and memsets run on the legacy stream, which the tests' non-blocking stream does
+  // not wait for, and may return before they finish: synchronise before any launch.
   void reset(const HostProblem& hp) {
     states.upload(hp.states);
     out.fill_bytes(0xFF);
+    kda::test::device_synchronize();
   }
   Result download() const {
     Result r;
@@ -353,9 +358,18 @@ std::size_t out_elem_offset(const HostProblem& hp, int64_t part, int64_t t, int6
 }
 
 bool is_poison(const unsigned char* p, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    if (p[i] != 0xFF) return false;
+  static const std::vector<unsigned char> poison(4096, 0xFF);
+  for (std::size_t done = 0; done < n; done += poison.size())
+    if (std::memcmp(p + done, poison.data(), std::min(poison.size(), n - done)) != 0) return false;
   return true;
+}
+
+// Calls f(byte offset of the row in out) for every output row a running sequence owns.
+template <typename F>
+void for_running_rows(const HostProblem& hp, F&& f) {
+  for (int64_t part = 0; part < hp.spec.parts; ++part)
+    for (int64_t t = 0; t < hp.tokens; ++t)
+      if (hp.row_runs[static_cast<std::size_t>(t)]) f(out_elem_offset(hp, part, t, 0) * hp.esize());
 }
 
 // What a result wrote where it must not, and what it failed to write.
@@ -368,17 +382,14 @@ struct Leaks {
 Leaks find_leaks(const HostProblem& hp, const Result& r) {
   Leaks k;
   const std::size_t e = hp.esize();
+  const std::size_t row_bytes = static_cast<std::size_t>(hp.spec.part_dim) * e;
   std::vector<unsigned char> out = r.out;
-  for (int64_t part = 0; part < hp.spec.parts; ++part)
-    for (int64_t t = 0; t < hp.tokens; ++t) {
-      if (!hp.row_runs[static_cast<std::size_t>(t)]) continue;
-      for (int64_t c = 0; c < hp.spec.part_dim; ++c) {
-        unsigned char* p = &out[out_elem_offset(hp, part, t, c) * e];
-        if (is_poison(p, e)) ++k.out_unwritten;
-        std::memset(p, 0xFF, e);
-      }
-    }
-  for (std::size_t i = 0; i + e <= out.size(); i += e) k.out_outside += !is_poison(&out[i], e);
+  for_running_rows(hp, [&](std::size_t row) {
+    for (std::size_t i = row; i < row + row_bytes; i += e) k.out_unwritten += is_poison(&out[i], e);
+    std::memset(&out[row], 0xFF, row_bytes);
+  });
+  if (!is_poison(out.data(), out.size()))
+    for (std::size_t i = 0; i + e <= out.size(); i += e) k.out_outside += !is_poison(&out[i], e);
 
   std::vector<float> st = r.states;
   for (int64_t line = 0; line < hp.lines; ++line) {
@@ -428,19 +439,19 @@ RefDiff compare_with_reference(const HostProblem& hp, const Result& ref, const R
   d.out_bits = diff_bits(ref.out.data(), gpu.out.data(), ref.out.size());
   const std::size_t e = hp.esize();
   const int bits = static_cast<int>(e * 8);
-  for (int64_t part = 0; part < hp.spec.parts; ++part)
-    for (int64_t t = 0; t < hp.tokens; ++t) {
-      if (!hp.row_runs[static_cast<std::size_t>(t)]) continue;
-      for (int64_t c = 0; c < hp.spec.part_dim; ++c) {
-        const std::size_t i = out_elem_offset(hp, part, t, c) * e;
-        uint32_t a = 0, b = 0;
-        std::memcpy(&a, &ref.out[i], e);
-        std::memcpy(&b, &gpu.out[i], e);
-        const int64_t u = std::llabs(ordered(a, bits) - ordered(b, bits));
-        d.max_ulps = std::max(d.max_ulps, u);
-        d.beyond_tol += u > allowed_ulps(hp.spec.dtype);
-      }
+  const int64_t allowed = allowed_ulps(hp.spec.dtype);
+  const std::size_t row_bytes = static_cast<std::size_t>(hp.spec.part_dim) * e;
+  for_running_rows(hp, [&](std::size_t row) {
+    if (std::memcmp(&ref.out[row], &gpu.out[row], row_bytes) == 0) return;
+    for (std::size_t i = row; i < row + row_bytes; i += e) {
+      uint32_t a = 0, b = 0;
+      std::memcpy(&a, &ref.out[i], e);
+      std::memcpy(&b, &gpu.out[i], e);
+      const int64_t u = std::llabs(ordered(a, bits) - ordered(b, bits));
+      d.max_ulps = std::max(d.max_ulps, u);
+      d.beyond_tol += u > allowed;
     }
+  });
   return d;
 }
 
@@ -484,11 +495,13 @@ float out_value(const HostProblem& hp, const Result& r, std::size_t elem) {
   }
 }
 
-// One ulp of |v| in the output dtype (subnormal spacing below the normals).
-double dtype_ulp(DType d, double v) {
+// One ulp of |v| (a value of the output dtype) in that dtype; subnormal spacing below the
+// normals. Exponent arithmetic on the fp32 bits: this runs for every output element.
+double dtype_ulp(DType d, float v) {
   const int digits = d == DType::BF16 ? 8 : d == DType::FP16 ? 11 : 24;
   const int min_exp = d == DType::FP16 ? -14 : -126;
-  const int e = v == 0.0 ? min_exp : std::max(std::ilogb(v), min_exp);
+  const int biased = static_cast<int>((kda::host::float_bits(v) >> 23) & 0xFF);
+  const int e = std::max(biased - 127, min_exp);
   return std::ldexp(1.0, e - (digits - 1));
 }
 
@@ -496,19 +509,18 @@ double dtype_ulp(DType d, double v) {
 // 8 fp32 ulps of the terms' magnitude (four rounded fmas; SiLU's slope is below 1.1).
 int64_t beyond_float64_tolerance(const HostProblem& hp, const Float64Ref& ref, const Result& gpu, double* worst) {
   int64_t n = 0;
-  for (int64_t part = 0; part < hp.spec.parts; ++part)
-    for (int64_t t = 0; t < hp.tokens; ++t) {
-      if (!hp.row_runs[static_cast<std::size_t>(t)]) continue;
-      for (int64_t c = 0; c < hp.spec.part_dim; ++c) {
-        const std::size_t i = out_elem_offset(hp, part, t, c);
-        const double want = out_value(hp, ref.value, i), got = out_value(hp, gpu, i);
-        const double tol = allowed_ulps(hp.spec.dtype) * dtype_ulp(hp.spec.dtype, std::fabs(want)) +
-                           8.0 * 0x1p-24 * out_value(hp, ref.magnitude, i);
-        const double err = std::fabs(got - want) / tol;
-        if (!(err <= 1.0)) ++n;
-        if (worst && err > *worst) *worst = err;
-      }
+  const std::size_t e = hp.esize();
+  const double allowed = static_cast<double>(allowed_ulps(hp.spec.dtype));
+  for_running_rows(hp, [&](std::size_t row) {
+    const std::size_t first = row / e;
+    for (std::size_t i = first; i < first + static_cast<std::size_t>(hp.spec.part_dim); ++i) {
+      const float want = out_value(hp, ref.value, i), got = out_value(hp, gpu, i);
+      const double tol = allowed * dtype_ulp(hp.spec.dtype, want) + 8.0 * 0x1p-24 * out_value(hp, ref.magnitude, i);
+      const double err = std::fabs(static_cast<double>(got) - want) / tol;
+      if (!(err <= 1.0)) ++n;
+      if (worst && err > *worst) *worst = err;
     }
+  });
   return n;
 }
 
@@ -554,11 +566,14 @@ void check_problem(const Spec& spec, Rng& rng, cudaStream_t stream) {
 
   const int64_t out_bits = diff_bits(rp.out.data(), rs.out.data(), rp.out.size());
   const int64_t state_bits = diff_bits(rp.states.data(), rs.states.data(), rp.states.size() * sizeof(float));
-  const Leaks lp = find_leaks(hp, rp), ls = find_leaks(hp, rs);
-  const RefDiff dp = compare_with_reference(hp, ref, rp), ds = compare_with_reference(hp, ref, rs);
+  // Bitwise equal results pass the same checks: look at the stock result separately only
+  // when it differs (to tell which side is wrong).
+  const bool same = out_bits == 0 && state_bits == 0;
+  const Leaks lp = find_leaks(hp, rp), ls = same ? lp : find_leaks(hp, rs);
+  const RefDiff dp = compare_with_reference(hp, ref, rp), ds = same ? dp : compare_with_reference(hp, ref, rs);
   double worst64 = 0.0;
   const int64_t beyond64 = beyond_float64_tolerance(hp, ref64, rp, &worst64) +
-                           beyond_float64_tolerance(hp, ref64, rs, &worst64);
+                           (same ? 0 : beyond_float64_tolerance(hp, ref64, rs, &worst64));
   std::ostringstream msg;
   msg << what << "\n  packed vs stock: " << out_bits << " output bits, " << state_bits
       << " state bits differ; vs CPU reference: max " << dp.max_ulps << " / " << ds.max_ulps
@@ -610,7 +625,7 @@ TEST_CASE("the packed conv equals the stock path bit for bit over part_dim, dtyp
   const int64_t row_pads[] = {0, 8, 256, 2, 1};
   const int64_t x_offsets[] = {0, 0, 1, 4}, out_offsets[] = {0, 2, 0, 1}, plane_pads[] = {0, 0, 64, 3};
   const double init_fracs[] = {0.5, 0.0, 1.0, 0.8};
-  const int64_t budget = quick() ? 1500000 : 25000000;  // x elements per case
+  const int64_t budget = quick() ? 1500000 : 12000000;  // x elements per case (CPU checks dominate)
   for (int i = 0; i < 15; ++i) {
     if (quick() && i % 3 != (i / 3) % 3) continue;  // one dtype per part_dim, rotating
     Spec s;
