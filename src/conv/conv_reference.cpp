@@ -93,20 +93,22 @@ void causal_conv1d(const PackedConvArgs& a, ConvMath math) {
     if (len == 0 || skipped(a, line)) continue;
     const bool init = a.has_initial_state && a.has_initial_state[s];
     float* state_line = a.conv_states + line * a.state_stride_line;
-    for (int64_t c = 0; c < a.dim; ++c) {
-      float* st = state_line + c * a.state_stride_dim;
-      // ext[k] is local token k - 3: the three history values, then the sequence's inputs.
-      auto ext = [&](int64_t k) -> float {
-        if (k >= 3) return load_input(a, begin + k - 3, c);
-        return init ? st[k * a.state_stride_tap] : 0.0f;
-      };
-      for (int64_t i = 0; i < len; ++i) {
-        const float h[4] = {ext(i), ext(i + 1), ext(i + 2), ext(i + 3)};
+    // ext(c, k) is channel c of local token k - 3: three history values, then the inputs.
+    auto ext = [&](int64_t c, int64_t k) -> float {
+      if (k >= 3) return load_input(a, begin + k - 3, c);
+      return init ? state_line[c * a.state_stride_dim + k * a.state_stride_tap] : 0.0f;
+    };
+    // Tokens outer, channels inner: x is read row by row.
+    for (int64_t i = 0; i < len; ++i)
+      for (int64_t c = 0; c < a.dim; ++c) {
+        const float h[4] = {ext(c, i), ext(c, i + 1), ext(c, i + 2), ext(c, i + 3)};
         store_output(a, plane_stride, begin + i, c, conv_one(a, math, c, h));
       }
-      // New tap k is local token len - 3 + k, i.e. ext(len + k); all read before any write.
-      const float next[3] = {ext(len), ext(len + 1), ext(len + 2)};
-      for (int k = 0; k < 3; ++k) st[k * a.state_stride_tap] = next[k];
+    // New tap k is local token len - 3 + k, i.e. ext(c, len + k); all three are read before
+    // any is written, and the outputs above read the old state before this.
+    for (int64_t c = 0; c < a.dim; ++c) {
+      const float next[3] = {ext(c, len), ext(c, len + 1), ext(c, len + 2)};
+      for (int k = 0; k < 3; ++k) state_line[c * a.state_stride_dim + k * a.state_stride_tap] = next[k];
     }
   }
 }
