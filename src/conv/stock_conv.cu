@@ -54,15 +54,15 @@ __device__ int64_t line_of_sequence(const StockPartParams& p, int64_t s) {
   return line;
 }
 
-// The sequence s with qsl[s] <= t < qsl[s + 1] (binary search for the first qsl entry > t),
-// or -1 when token t belongs to no sequence. The found s always has qsl[s] <= t, so with
-// qsl[s] >= 0 every row it implies lies in [0, t].
 // A flag byte other than 0 counts as true, as in the packed kernel.
 __device__ bool has_initial_state(const StockPartParams& p, int64_t s) {
   return p.has_initial_state != nullptr &&
          reinterpret_cast<const unsigned char*>(p.has_initial_state)[s] != 0;
 }
 
+// The sequence s with qsl[s] <= t < qsl[s + 1] (binary search for the first qsl entry > t),
+// or -1 when token t belongs to no sequence. The found s always has qsl[s] <= t, so with
+// qsl[s] >= 0 every row it implies lies in [0, t].
 __device__ int64_t sequence_of_token(const StockPartParams& p, int64_t t) {
   int64_t lo = 0, hi = p.num_seqs + 1;
   while (lo < hi) {
