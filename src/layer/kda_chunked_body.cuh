@@ -1,0 +1,722 @@
+// The two block bodies of the chunked KDA recurrence (kda_chunked.h), written once for the
+// GPU and for a CPU emulation of one CUDA block (tests/layer/test_kda_chunked_emu.cu).
+// Include from .cu files only (nvcc).
+//
+// Math, per sequence, head and chunk of tokens i = 0..C-1 starting from state S0 (K x V), with
+// Gam_i = sum_{j<=i} g_j per key channel (cumulative inside the chunk, so <= 0 and
+// non-increasing; kept in log2 units, G = Gam * log2(e)):
+//   A_ij  = beta_j sum_c k_ic k_jc 2^(G_ic - G_jc)            (j < i, strictly lower)
+//   M'_ij = beta_j sum_c q_ic k_jc 2^(G_ic - G_jc)            (j <= i)
+//   (I + A) [W | Uv] = [k_i * 2^G_i | v_i]                    (forward substitution)
+//   Qt_i = q_i * 2^G_i,  Kb'_j = beta_j k_j * 2^(G_C-1 - G_j),  gamma = 2^G_C-1
+//   U = Uv - W S0,  O = Qt S0 + M' U,  S_C = diag(gamma) S0 + Kb'^T U.
+// Only exponentials of non-positive numbers appear, so nothing overflows however strong the
+// decay. The pairwise factors of A and M' are formed directly only inside the 16 x 16
+// diagonal sub-blocks; below them the factor is split at the reference token r = 16I - 1
+// (the last token before row block I): 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j), both
+// factors <= 1 because j <= r < i, so each off-diagonal block is a plain bf16 product on
+// tensor cores of rows scaled once. tests/layer/test_kda_chunked_math.cpp checks this
+// algebra against the token-by-token recurrence in float64.
+//
+// Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
+// Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
+// slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
+// (slot, head) to the workspace.
+// Phase 2 (state_block): one block of 2 warps per (sequence, head, value slice of 32
+// columns). Each warp holds the transposed state S^T (16 value rows x 128 key channels, fp32)
+// in mma accumulator registers and walks the chunks in order; the chunk records are
+// double-buffered in shared memory with cp.async. In transposed form every A operand (S^T
+// and U^T) comes from registers (an m16n8 accumulator pair is an m16k16 A fragment) and every
+// B operand is a record tile read with ldmatrix.
+//
+// The bodies run per thread and reach other threads only through `Ops` (barriers, shuffles,
+// the radix search, ldmatrix, mma, cp.async); DeviceOps in kda_chunked.cu maps them to the
+// hardware instructions. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"),
+// with g = lane / 4 and t = lane % 4:
+//   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
+//     a3 (g+8, 2t+8..)
+//   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
+//   C/D (16 x 8, fp32), 4 regs: c0, c1 (g, 2t, 2t+1), c2, c3 (g+8, 2t, 2t+1)
+// The lower-index element of a pair sits in the low 16 bits. ldmatrix x4: lanes 8m..8m+7
+// give the row addresses of 8 x 8 matrix m; r[m] receives (row g, columns 2t, 2t+1) of it,
+// or with .trans (rows 2t, 2t+1, column g).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "conv/program_map.h"
+#include "layer/kda_steps.h"
+
+// The bodies call Ops members that are __device__ (DeviceOps) or __host__ (the CPU emulation)
+// only; each instantiation is used on that side alone, so nvcc's cross-side call check is
+// turned off for them.
+#define KDA_OPS_BODY _Pragma("nv_exec_check_disable")
+// `#pragma unroll` in the device passes only: the host compilers (nvcc's host pass, the CPU
+// emulation) do not know it and would warn.
+#if defined(__CUDA_ARCH__)
+#define KDA_UNROLL _Pragma("unroll")
+#define KDA_UNROLL_8 _Pragma("unroll 8")
+#define KDA_UNROLL_1 _Pragma("unroll 1")
+#else
+#define KDA_UNROLL
+#define KDA_UNROLL_8
+#define KDA_UNROLL_1
+#endif
+
+namespace kda::chunked {
+
+constexpr int kHeadDim = 128;  // K = V
+constexpr int kChunk = 64;
+constexpr int kChunkShift = 6;
+constexpr int kSub = 16;  // diagonal sub-block of A and M'
+constexpr int kSubBlocks = kChunk / kSub;
+static_assert(kChunk == 1 << kChunkShift, "chunk length and shift disagree");
+static_assert(kChunk % kSub == 0 && kSub == 16, "the off-diagonal products are m16 tiles");
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kQScale = 0.088388347648318440f;  // 128^-0.5
+// Per-token log decays below this are raised to it. exp(-128) is 0 for every purpose here
+// (kda_prep_recurrence's expf underflows already at -104) and the floor keeps the cumulative
+// sums of a chunk finite, so differences of them never become inf - inf.
+constexpr float kMinLogDecay = -128.0f;
+
+// One (chunk slot, head) record in the workspace. All offsets are multiples of 16 bytes.
+struct Record {
+  static constexpr int kW = 0;                                 // bf16 [i][c]   64 x 128
+  static constexpr int kQt = kW + kChunk * kHeadDim * 2;       // bf16 [i][c]   64 x 128
+  static constexpr int kKb = kQt + kChunk * kHeadDim * 2;      // bf16 [j][c]   64 x 128
+  static constexpr int kMp = kKb + kChunk * kHeadDim * 2;      // bf16 [i][j]   64 x 64
+  static constexpr int kUvT = kMp + kChunk * kChunk * 2;       // fp32 [v][i]  128 x 64
+  static constexpr int kGamma = kUvT + kHeadDim * kChunk * 4;  // fp32 [c]     128
+  static constexpr int kBytes = kGamma + kHeadDim * 4;
+  static_assert(kBytes == 90624 && kBytes % 16 == 0, "record layout changed");
+};
+
+// Kernel-facing copy of PrepRecurrenceArgs plus the derived launch facts.
+struct ChunkedParams {
+  const int32_t* query_start_loc;
+  const int32_t* cache_indices;
+  const bool* has_initial_state;
+  int32_t null_line;
+  int64_t cache_lines;
+  int64_t num_tokens;
+  int64_t max_seqs;
+  int64_t slots;     // chunk slots: (num_tokens >> 6) + max_seqs
+  int search_steps;  // radix search over query_start_loc (conv/program_map.h)
+  int64_t search_stride;
+  int num_heads;
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  int64_t qkv_stride;
+  const __nv_bfloat16* g1;
+  int64_t g1_stride;
+  const __nv_bfloat16* b;  // already offset to the b columns
+  int64_t b_stride;
+  const float* a_log;
+  const float* dt_bias;
+  float lower_bound;
+  float* states;
+  int64_t state_line, state_head, state_k, state_v;
+  __nv_bfloat16* o;
+  int64_t o_stride;
+  unsigned char* workspace;
+};
+
+// The launcher's mapping from the op's arguments (host code, kda_chunked.cu); the CPU
+// emulation builds its parameters with it too.
+ChunkedParams make_chunked_params(const PrepRecurrenceArgs& args, void* workspace);
+
+// The spec's scalar functions, as layer_device::sigmoid / softplus (IEEE expf and log1pf).
+__host__ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+__host__ __device__ __forceinline__ float softplus_f(float x) {
+  return x > 20.0f ? x : log1pf(expf(x));
+}
+
+__host__ __device__ __forceinline__ float bf16_low(uint32_t word) {
+  uint32_t bits = word << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+__host__ __device__ __forceinline__ float bf16_high(uint32_t word) {
+  uint32_t bits = word & 0xFFFF0000u;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Reads / writes a T where the memory holds other types (bf16 rows as 8-byte words and so
+// on): a plain access on the device, memcpy on the host, where the strict-aliasing rules of
+// the CPU emulation's compiler apply.
+template <typename T>
+__host__ __device__ __forceinline__ T ld_as(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return *static_cast<const T*>(p);
+#else
+  T v;
+  memcpy(&v, p, sizeof(T));
+  return v;
+#endif
+}
+template <typename T>
+__host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
+#if defined(__CUDA_ARCH__)
+  *static_cast<T*>(p) = v;
+#else
+  memcpy(p, &v, sizeof(T));
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo, the low half
+  uint32_t word;
+  memcpy(&word, &v, 4);
+  return word;
+}
+
+// The rows a sequence owns, clamped to [0, num_tokens) as kda_prep_recurrence does, and
+// whether it is processed at all (non-empty, naming a real pool line).
+struct SeqSpan {
+  int64_t bos = 0, eos = 0;
+  int32_t line = 0;
+  bool active = false;
+};
+
+__host__ __device__ __forceinline__ SeqSpan sequence_span(const ChunkedParams& p, int64_t seq) {
+  SeqSpan s;
+  s.bos = std::max(static_cast<int64_t>(p.query_start_loc[seq]), int64_t{0});
+  s.eos = std::min(static_cast<int64_t>(p.query_start_loc[seq + 1]), p.num_tokens);
+  s.line = p.cache_indices[seq];
+  s.active = s.bos < s.eos && s.line != p.null_line && s.line >= 0 && s.line < p.cache_lines;
+  return s;
+}
+
+__host__ __device__ __forceinline__ unsigned char* record_of(const ChunkedParams& p,
+                                                             int64_t slot, int head) {
+  return p.workspace + (slot * p.num_heads + head) * static_cast<int64_t>(Record::kBytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phase 1.
+
+struct PrepTraits {
+  static constexpr int kThreads = 256;
+  static constexpr int kPitchBf16 = kHeadDim + 8;  // 272-byte rows: ldmatrix rows hit distinct banks
+  static constexpr int kPitchG = kHeadDim + 4;     // 16-byte aligned fp32 rows
+  static constexpr int kTmpRows = 2 * kSub + kChunk - kSub;  // KE, QE, KF of the last row block
+  static constexpr int kDiagPairs = kSubBlocks * kSub * (kSub + 1) / 2;  // 544 (i >= j) pairs
+  static_assert(kThreads == 4 * kChunk, "the load step gives each token row 4 threads");
+  static_assert(kThreads == 2 * kHeadDim, "the solve gives each of the 2 x 128 columns a thread");
+  static_assert(kThreads / 32 >= kSubBlocks - 1, "one warp per off-diagonal block of a row block");
+  static_assert((2 * kDiagPairs) % 32 == 0, "diagonal items must fill whole warps");
+};
+
+struct alignas(16) PrepSmem {
+  __nv_bfloat16 q[kChunk][PrepTraits::kPitchBf16];  // raw (un-normalised) bf16 inputs
+  __nv_bfloat16 k[kChunk][PrepTraits::kPitchBf16];
+  float G[kChunk][PrepTraits::kPitchG];             // log2 decay, cumulative after step 2
+  float A[kChunk][kChunk];                          // beta_j-weighted, strictly lower
+  __nv_bfloat16 tmp[PrepTraits::kTmpRows][PrepTraits::kPitchBf16];  // KE | QE | KF of one row block
+  float rq[kChunk];  // q scale: 128^-0.5 / ||q||
+  float rk[kChunk];  // 1 / ||k||
+  float beta[kChunk];
+};
+static_assert(sizeof(PrepSmem) <= 113 * 1024, "two prep blocks must fit on an SM");
+
+// The off-diagonal block (row block I, column block J < I) of A and M' on tensor cores, by one
+// warp: KE (rows of I scaled by 2^(G_i - G_r)), QE likewise and KF (rows j < 16I scaled by
+// 2^(G_r - G_j)) are in sm.tmp.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void offdiag_block(Ops& ops, PrepSmem& sm,
+                                                       __nv_bfloat16* mp, int I, int J,
+                                                       int lane) {
+  constexpr int P = PrepTraits::kPitchBf16;
+  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  // A operand (KE / QE, rows i, columns c): matrix m covers rows 8 (m & 1).., columns
+  // 8 (m >> 1).., so r[0..3] are a0..a3.
+  const uint32_t a_base = ops.smem_addr(&sm.tmp[r8 + 8 * (m & 1)][8 * (m >> 1)]);
+  // B operand (KF of column block J stored [n = j][k = c]): matrix m covers rows 8 (m >> 1)..,
+  // columns 8 (m & 1).., so r[0], r[1] are b0, b1 of n-tile 0 and r[2], r[3] of n-tile 1.
+  const uint32_t b_base =
+      ops.smem_addr(&sm.tmp[2 * kSub + kSub * J + r8 + 8 * (m >> 1)][8 * (m & 1)]);
+  constexpr uint32_t kQeOffset = kSub * P * 2;  // QE starts 16 rows below KE
+  float acc_a[2][4] = {}, acc_m[2][4] = {};
+KDA_UNROLL
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t ak[4], aq[4], b[4];
+    ops.ldsm_x4(ak, a_base + kk * 32);
+    ops.ldsm_x4(aq, a_base + kQeOffset + kk * 32);
+    ops.ldsm_x4(b, b_base + kk * 32);
+    ops.mma(acc_a[0], ak, b[0], b[1]);
+    ops.mma(acc_a[1], ak, b[2], b[3]);
+    ops.mma(acc_m[0], aq, b[0], b[1]);
+    ops.mma(acc_m[1], aq, b[2], b[3]);
+  }
+KDA_UNROLL
+  for (int nt = 0; nt < 2; ++nt) {
+KDA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int i = kSub * I + g + 8 * h;
+      const int j = kSub * J + 8 * nt + 2 * t;
+      const float b0 = sm.beta[j], b1 = sm.beta[j + 1];
+      sm.A[i][j] = acc_a[nt][2 * h] * b0;
+      sm.A[i][j + 1] = acc_a[nt][2 * h + 1] * b1;
+      st_as<uint32_t>(mp + i * kChunk + j,
+                      pack_bf16(acc_m[nt][2 * h] * b0, acc_m[nt][2 * h + 1] * b1));
+    }
+  }
+}
+
+// One (chunk slot, head) of phase 1, as thread `tid` of 256. Every exit is uniform over the
+// block (it depends on the slot and on metadata all threads read alike), so all threads
+// reach every barrier.
+KDA_OPS_BODY
+template <bool kLowerBound, class Ops>
+__host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParams& p,
+                                                    int64_t slot, int head, int tid) {
+  const int lane = tid & 31, warp = tid >> 5;
+  const int64_t seq = ops.locate_sequence(p, slot, lane);
+  if (seq < 0) return;
+  const SeqSpan span = sequence_span(p, seq);
+  if (!span.active) return;
+  const int64_t chunk = slot - conv::first_program(p.query_start_loc[seq], seq, kChunkShift);
+  const int64_t begin = span.bos + chunk * kChunk;
+  if (begin >= span.eos) return;
+  const int len = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - begin));
+
+  PrepSmem& sm = *reinterpret_cast<PrepSmem*>(ops.smem());
+  unsigned char* rec = record_of(p, slot, head);
+  __nv_bfloat16* rec_w = reinterpret_cast<__nv_bfloat16*>(rec + Record::kW);
+  __nv_bfloat16* rec_qt = reinterpret_cast<__nv_bfloat16*>(rec + Record::kQt);
+  __nv_bfloat16* rec_kb = reinterpret_cast<__nv_bfloat16*>(rec + Record::kKb);
+  __nv_bfloat16* rec_mp = reinterpret_cast<__nv_bfloat16*>(rec + Record::kMp);
+  float* rec_uvt = reinterpret_cast<float*>(rec + Record::kUvT);
+  float* rec_gamma = reinterpret_cast<float*>(rec + Record::kGamma);
+
+  // Step 1: raw q, k and the log2 decay of token row `row`, channels [32 part, 32 part + 32);
+  // rows past the chunk's end are zeros (k = q = v = 0, g = 0, beta = 0), which makes every
+  // record entry of theirs zero and leaves G flat, so gamma is the decay up to the last token.
+  {
+    const int row = tid >> 2, part = tid & 3, c0 = 32 * part;
+    float ssq = 0.0f, ssk = 0.0f;
+    if (row < len) {
+      const int64_t tok = begin + row;
+      const int64_t col = static_cast<int64_t>(head) * kHeadDim + c0;
+      const __nv_bfloat16* qsrc = p.q + tok * p.qkv_stride + col;
+      const __nv_bfloat16* ksrc = p.k + tok * p.qkv_stride + col;
+      const __nv_bfloat16* gsrc = p.g1 + tok * p.g1_stride + col;
+      const float a_exp = expf(p.a_log[head]);
+KDA_UNROLL
+      for (int j = 0; j < 32; j += 4) {
+        // 8-byte loads: supported() guarantees 8-byte aligned bases and strides of 4 elements.
+        const uint2 qw = ld_as<uint2>(qsrc + j);
+        const uint2 kw = ld_as<uint2>(ksrc + j);
+        const uint2 gw = ld_as<uint2>(gsrc + j);
+        st_as<uint2>(&sm.q[row][c0 + j], qw);
+        st_as<uint2>(&sm.k[row][c0 + j], kw);
+        const float qv[4] = {bf16_low(qw.x), bf16_high(qw.x), bf16_low(qw.y), bf16_high(qw.y)};
+        const float kv[4] = {bf16_low(kw.x), bf16_high(kw.x), bf16_low(kw.y), bf16_high(kw.y)};
+        const float gv[4] = {bf16_low(gw.x), bf16_high(gw.x), bf16_low(gw.y), bf16_high(gw.y)};
+        float gl[4];
+KDA_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          ssq = fmaf(qv[e], qv[e], ssq);
+          ssk = fmaf(kv[e], kv[e], ssk);
+          const float x = gv[e] + p.dt_bias[col + j + e];
+          const float gate = kLowerBound ? p.lower_bound * sigmoid_f(a_exp * x)
+                                         : -a_exp * softplus_f(x);
+          gl[e] = fmaxf(gate, kMinLogDecay) * kLog2e;
+        }
+        st_as<float4>(&sm.G[row][c0 + j], make_float4(gl[0], gl[1], gl[2], gl[3]));
+      }
+    } else {
+KDA_UNROLL
+      for (int j = 0; j < 32; j += 4) {
+        st_as<uint2>(&sm.q[row][c0 + j], make_uint2(0u, 0u));
+        st_as<uint2>(&sm.k[row][c0 + j], make_uint2(0u, 0u));
+        st_as<float4>(&sm.G[row][c0 + j], make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    }
+    // The 4 threads of a row are adjacent lanes of one warp.
+    ssq += ops.shfl_xor(ssq, 1);
+    ssq += ops.shfl_xor(ssq, 2);
+    ssk += ops.shfl_xor(ssk, 1);
+    ssk += ops.shfl_xor(ssk, 2);
+    if (part == 0) {
+      const bool real = row < len;
+      sm.rq[row] = real ? kQScale / sqrtf(ssq + 1e-6f) : 0.0f;
+      sm.rk[row] = real ? 1.0f / sqrtf(ssk + 1e-6f) : 0.0f;
+      sm.beta[row] =
+          real ? sigmoid_f(__bfloat162float(p.b[(begin + row) * p.b_stride + head])) : 0.0f;
+    }
+    // A's upper part is read (and ignored) by the solve's 4-wide loads; M' is stored whole
+    // with zeros above the diagonal, which phase 2 relies on inside the diagonal tiles.
+    for (int e = tid; e < kChunk * kChunk / 4; e += PrepTraits::kThreads)
+      st_as<float4>(&sm.A[0][0] + 4 * e, make_float4(0.f, 0.f, 0.f, 0.f));
+    for (int e = tid; e < kChunk * kChunk / 8; e += PrepTraits::kThreads)
+      st_as<uint4>(rec_mp + 8 * e, make_uint4(0u, 0u, 0u, 0u));
+  }
+  ops.sync();
+
+  // Step 2: cumulative sums along the chunk, one channel per thread. fp32 addition of
+  // non-positive terms never increases, so G stays non-increasing in i as rounded and every
+  // difference G_i - G_j (j <= i) below is <= 0.
+  if (tid < kHeadDim) {
+    float run = 0.0f;
+KDA_UNROLL
+    for (int i = 0; i < kChunk; ++i) {
+      run += sm.G[i][tid];
+      sm.G[i][tid] = run;
+    }
+  }
+  // Also orders step 1's zero fill of M' before the entries written below.
+  ops.sync();
+
+  // Step 3a: Qt, Kb' and gamma, two channels per item.
+  for (int e = tid; e < kChunk * kHeadDim / 2; e += PrepTraits::kThreads) {
+    const int i = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
+    const float q0 = __bfloat162float(sm.q[i][c]) * sm.rq[i];
+    const float q1 = __bfloat162float(sm.q[i][c + 1]) * sm.rq[i];
+    const float kb = sm.beta[i] * sm.rk[i];
+    const float k0 = __bfloat162float(sm.k[i][c]) * kb;
+    const float k1 = __bfloat162float(sm.k[i][c + 1]) * kb;
+    const float g0 = sm.G[i][c], g1 = sm.G[i][c + 1];
+    const float gl0 = sm.G[kChunk - 1][c], gl1 = sm.G[kChunk - 1][c + 1];
+    st_as<uint32_t>(rec_qt + i * kHeadDim + c, pack_bf16(q0 * exp2f(g0), q1 * exp2f(g1)));
+    st_as<uint32_t>(rec_kb + i * kHeadDim + c,
+                    pack_bf16(k0 * exp2f(gl0 - g0), k1 * exp2f(gl1 - g1)));
+  }
+  if (tid < kHeadDim) rec_gamma[tid] = exp2f(sm.G[kChunk - 1][tid]);
+
+  // Step 3b: the diagonal 16 x 16 sub-blocks of A and M' with the pairwise factors formed
+  // directly, in fp32. Item = (pair i >= j inside a sub-block, channel parity); the two
+  // parities of a pair are adjacent lanes and are summed with one shuffle. The trip count
+  // is a multiple of 32 in every warp (1088 = 4 x 256 + 64), so the shuffle sees full warps.
+  for (int item = tid; item < 2 * PrepTraits::kDiagPairs; item += PrepTraits::kThreads) {
+    const int pair = item >> 1, parity = item & 1;
+    const int blk = pair / (kSub * (kSub + 1) / 2);
+    const int l = pair % (kSub * (kSub + 1) / 2);
+    int il = 0;
+    while ((il + 1) * (il + 2) / 2 <= l) ++il;
+    const int jl = l - il * (il + 1) / 2;
+    const int i = kSub * blk + il, j = kSub * blk + jl;
+    float a = 0.0f, m = 0.0f;
+KDA_UNROLL_8
+    for (int cc = 0; cc < kHeadDim / 2; ++cc) {
+      const int c = 2 * cc + parity;
+      const float kj = __bfloat162float(sm.k[j][c]) * exp2f(sm.G[i][c] - sm.G[j][c]);
+      a = fmaf(__bfloat162float(sm.k[i][c]), kj, a);
+      m = fmaf(__bfloat162float(sm.q[i][c]), kj, m);
+    }
+    a += ops.shfl_xor(a, 1);
+    m += ops.shfl_xor(m, 1);
+    if (parity == 0) {
+      const float bj = sm.beta[j] * sm.rk[j];
+      if (j < i) sm.A[i][j] = a * sm.rk[i] * bj;
+      rec_mp[i * kChunk + j] = __float2bfloat16_rn(m * sm.rq[i] * bj);
+    }
+  }
+
+  // Step 4: the off-diagonal blocks, one row block I at a time (reference r = 16I - 1):
+  // tmp rows [0, 16) = KE, [16, 32) = QE, [32, 32 + 16I) = KF.
+  for (int I = 1; I < kSubBlocks; ++I) {
+    ops.sync();  // the previous row block's products are done reading tmp
+    const int r = kSub * I - 1;
+    for (int e = tid; e < kSub * kHeadDim / 2; e += PrepTraits::kThreads) {
+      const int il = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
+      const int i = kSub * I + il;
+      const float e0 = exp2f(sm.G[i][c] - sm.G[r][c]);
+      const float e1 = exp2f(sm.G[i][c + 1] - sm.G[r][c + 1]);
+      const float kr = sm.rk[i], qr = sm.rq[i];
+      const float k0 = __bfloat162float(sm.k[i][c]) * kr, k1 = __bfloat162float(sm.k[i][c + 1]) * kr;
+      const float q0 = __bfloat162float(sm.q[i][c]) * qr, q1 = __bfloat162float(sm.q[i][c + 1]) * qr;
+      st_as<uint32_t>(&sm.tmp[il][c], pack_bf16(k0 * e0, k1 * e1));
+      st_as<uint32_t>(&sm.tmp[kSub + il][c], pack_bf16(q0 * e0, q1 * e1));
+    }
+    for (int e = tid; e < kSub * I * kHeadDim / 2; e += PrepTraits::kThreads) {
+      const int j = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
+      const float kr = sm.rk[j];
+      const float f0 = exp2f(sm.G[r][c] - sm.G[j][c]);
+      const float f1 = exp2f(sm.G[r][c + 1] - sm.G[j][c + 1]);
+      const float k0 = __bfloat162float(sm.k[j][c]) * kr, k1 = __bfloat162float(sm.k[j][c + 1]) * kr;
+      st_as<uint32_t>(&sm.tmp[2 * kSub + j][c], pack_bf16(k0 * f0, k1 * f1));
+    }
+    ops.sync();
+    if (warp < I) offdiag_block(ops, sm, rec_mp, I, warp, lane);
+  }
+  ops.sync();  // A is complete
+
+  // Step 5: forward substitution (I + A) x = rhs, one column per thread: columns [0, 128) are
+  // k * 2^G (giving W), [128, 256) are v (giving Uv). Fully unrolled so x stays in registers.
+  float x[kChunk];
+  const int col = tid;
+  if (col < kHeadDim) {
+KDA_UNROLL
+    for (int i = 0; i < kChunk; ++i)
+      x[i] = __bfloat162float(sm.k[i][col]) * sm.rk[i] * exp2f(sm.G[i][col]);
+  } else {
+    const __nv_bfloat16* vsrc =
+        p.v + begin * p.qkv_stride + static_cast<int64_t>(head) * kHeadDim + (col - kHeadDim);
+KDA_UNROLL
+    for (int i = 0; i < kChunk; ++i)
+      x[i] = i < len ? __bfloat162float(vsrc[i * p.qkv_stride]) : 0.0f;
+  }
+KDA_UNROLL
+  for (int i = 1; i < kChunk; ++i) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+KDA_UNROLL
+    for (int j0 = 0; j0 < i; j0 += 4) {
+      const float4 a = ld_as<float4>(&sm.A[i][j0]);
+      acc[0] = fmaf(a.x, x[j0], acc[0]);
+      if (j0 + 1 < i) acc[1] = fmaf(a.y, x[j0 + 1], acc[1]);
+      if (j0 + 2 < i) acc[2] = fmaf(a.z, x[j0 + 2], acc[2]);
+      if (j0 + 3 < i) acc[3] = fmaf(a.w, x[j0 + 3], acc[3]);
+    }
+    x[i] -= (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  }
+  if (col < kHeadDim) {
+KDA_UNROLL
+    for (int i = 0; i < kChunk; ++i) rec_w[i * kHeadDim + col] = __float2bfloat16_rn(x[i]);
+  } else {
+    float* dst = rec_uvt + (col - kHeadDim) * kChunk;
+KDA_UNROLL
+    for (int i = 0; i < kChunk; i += 4)
+      st_as<float4>(dst + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phase 2.
+
+struct StateTraits {
+  static constexpr int kWarps = 2;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRowsPerWarp = 16;                 // value rows of S^T per warp (m16)
+  static constexpr int kColumns = kWarps * kRowsPerWarp;  // value columns per block
+  static constexpr int kSlices = kHeadDim / kColumns;     // blocks per (sequence, head)
+  // Shared-memory stage: record tiles with padded rows (272 B / 144 B / 288 B: the 8 rows of
+  // every ldmatrix and the float2 reads of UvT fall in distinct banks).
+  static constexpr int kPitchTile = (kHeadDim + 8) * 2;  // bytes per W / Qt / Kb row
+  static constexpr int kPitchMp = (kChunk + 8) * 2;      // bytes per M' row
+  static constexpr int kPitchUv = (kChunk + 8) * 4;      // bytes per UvT row
+  static constexpr int kW = 0;
+  static constexpr int kQt = kW + kChunk * kPitchTile;
+  static constexpr int kKb = kQt + kChunk * kPitchTile;
+  static constexpr int kMp = kKb + kChunk * kPitchTile;
+  static constexpr int kUvT = kMp + kChunk * kPitchMp;
+  static constexpr int kGamma = kUvT + kColumns * kPitchUv;
+  static constexpr int kStageBytes = kGamma + kHeadDim * 4;
+  static constexpr int kSmemBytes = 2 * kStageBytes;
+  static_assert(kStageBytes % 16 == 0 && kSmemBytes <= 227 * 1024, "stage layout");
+  static_assert(kHeadDim % kColumns == 0, "value slices must tile the head");
+};
+
+// Copies this block's part of chunk record `rec` into the stage at shared address `stage`.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void load_stage(Ops& ops, uint32_t stage,
+                                                    const unsigned char* rec, int vbase,
+                                                    int tid) {
+  using T = StateTraits;
+  constexpr int kTileChunks = kHeadDim * 2 / 16;  // 16-byte pieces per 128-channel bf16 row
+  for (int e = tid; e < 3 * kChunk * kTileChunks; e += T::kThreads) {
+    const int tile = e / (kChunk * kTileChunks);  // 0: W, 1: Qt, 2: Kb (consecutive in both)
+    const int row = (e / kTileChunks) % kChunk, piece = e % kTileChunks;
+    ops.cp16(stage + T::kW + tile * kChunk * T::kPitchTile + row * T::kPitchTile + piece * 16,
+             rec + Record::kW + tile * kChunk * kHeadDim * 2 + row * kHeadDim * 2 + piece * 16);
+  }
+  constexpr int kMpChunks = kChunk * 2 / 16;
+  for (int e = tid; e < kChunk * kMpChunks; e += T::kThreads) {
+    const int row = e / kMpChunks, piece = e % kMpChunks;
+    ops.cp16(stage + T::kMp + row * T::kPitchMp + piece * 16,
+             rec + Record::kMp + row * kChunk * 2 + piece * 16);
+  }
+  constexpr int kUvChunks = kChunk * 4 / 16;
+  for (int e = tid; e < T::kColumns * kUvChunks; e += T::kThreads) {
+    const int row = e / kUvChunks, piece = e % kUvChunks;
+    ops.cp16(stage + T::kUvT + row * T::kPitchUv + piece * 16,
+             rec + Record::kUvT + (vbase + row) * kChunk * 4 + piece * 16);
+  }
+  constexpr int kGammaChunks = kHeadDim * 4 / 16;
+  if (tid < kGammaChunks)
+    ops.cp16(stage + T::kGamma + tid * 16, rec + Record::kGamma + tid * 16);
+}
+
+// One (sequence, head, value slice) of phase 2, as thread `tid` of 64. Exits depend on the
+// block's indices and on metadata only, so they are uniform over the block and every thread
+// reaches every barrier.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void state_block(Ops& ops, const ChunkedParams& p,
+                                                     int64_t seq, int head, int slice,
+                                                     int tid) {
+  using T = StateTraits;
+  const SeqSpan span = sequence_span(p, seq);
+  if (!span.active) return;
+  const int64_t first = conv::first_program(p.query_start_loc[seq], seq, kChunkShift);
+  const int64_t nchunks = (span.eos - span.bos + kChunk - 1) / kChunk;
+  // Only malformed metadata (a decreasing query_start_loc) can leave the slot range; such a
+  // sequence is skipped rather than read out of bounds.
+  if (first < 0 || first + nchunks > p.slots) return;
+
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  const int vbase = slice * T::kColumns;    // block's first value column
+  const int vrow = warp * T::kRowsPerWarp;  // warp's first row inside the block
+  const int v0 = vbase + vrow;              // warp's first value column in the head
+
+  // S^T: st[nt] is the accumulator tile of value rows v0 + (g, g + 8) and key channels
+  // 8 nt + (2t, 2t + 1).
+  float st[kHeadDim / 8][4];
+  float* state = p.states + span.line * p.state_line + head * p.state_head;
+  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
+KDA_UNROLL
+  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
+    }
+  }
+
+  unsigned char* smem = ops.smem();
+  const uint32_t smem_base = ops.smem_addr(smem);
+  // Per-lane ldmatrix offsets. Non-transposed B tiles stored [n][k]: matrix m covers rows
+  // 8 (m >> 1).. and columns 8 (m & 1).., so r[0], r[1] are b0, b1 of n-tile 2np and r[2],
+  // r[3] those of n-tile 2np + 1.
+  const uint32_t off_tile = (r8 + 8 * (m >> 1)) * T::kPitchTile + (m & 1) * 16;
+  const uint32_t off_mp = (r8 + 8 * (m >> 1)) * T::kPitchMp + (m & 1) * 16;
+  // Transposed B tile Kb' stored [k = j][n = c]: matrix m covers rows j 8 (m & 1).. and
+  // columns c 8 (m >> 1)..; same register order.
+  const uint32_t off_kb = (r8 + 8 * (m & 1)) * T::kPitchTile + (m >> 1) * 16;
+
+  load_stage(ops, smem_base, record_of(p, first, head), vbase, tid);
+  ops.cp_commit();
+KDA_UNROLL_1
+  for (int64_t n = 0; n < nchunks; ++n) {
+    if (n + 1 < nchunks)
+      load_stage(ops, smem_base + ((n + 1) & 1) * T::kStageBytes,
+                 record_of(p, first + n + 1, head), vbase, tid);
+    ops.cp_commit();
+    ops.cp_wait_prior();  // this thread's pieces of chunk n have landed
+    ops.sync();           // ... and everyone's
+    const uint32_t stage = smem_base + (n & 1) * T::kStageBytes;
+    const unsigned char* stage_ptr = smem + (n & 1) * T::kStageBytes;
+    const float* uvt = reinterpret_cast<const float*>(stage_ptr + T::kUvT);
+    const float* gamma = reinterpret_cast<const float*>(stage_ptr + T::kGamma);
+
+    // S0^T as bf16 A fragments: k-step kk covers key channels [16 kk, 16 kk + 16).
+    uint32_t sf[kHeadDim / 16][4];
+KDA_UNROLL
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      sf[kk][0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
+      sf[kk][1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
+      sf[kk][2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      sf[kk][3] = pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+    }
+
+    // ua = -U^T = S0^T W^T - Uv^T and oa = S0^T Qt^T; n-tile nt covers tokens [8 nt, 8 nt + 8).
+    float ua[kChunk / 8][4], oa[kChunk / 8][4];
+    constexpr int kUvFloats = T::kPitchUv / 4;
+KDA_UNROLL
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+      const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
+      const float* hi = lo + 8 * kUvFloats;
+      ua[nt][0] = -lo[0];
+      ua[nt][1] = -lo[1];
+      ua[nt][2] = -hi[0];
+      ua[nt][3] = -hi[1];
+      oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
+    }
+KDA_UNROLL
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+KDA_UNROLL
+      for (int np = 0; np < kChunk / 16; ++np) {
+        uint32_t b[4];
+        const uint32_t tile_off = off_tile + np * 16 * T::kPitchTile + kk * 32;
+        ops.ldsm_x4(b, stage + T::kW + tile_off);
+        ops.mma(ua[2 * np], sf[kk], b[0], b[1]);
+        ops.mma(ua[2 * np + 1], sf[kk], b[2], b[3]);
+        ops.ldsm_x4(b, stage + T::kQt + tile_off);
+        ops.mma(oa[2 * np], sf[kk], b[0], b[1]);
+        ops.mma(oa[2 * np + 1], sf[kk], b[2], b[3]);
+      }
+    }
+
+    // U^T as bf16 A fragments (negating ua): k-step ks covers tokens [16 ks, 16 ks + 16).
+    uint32_t uf[kChunk / 16][4];
+KDA_UNROLL
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      uf[ks][0] = pack_bf16(-ua[2 * ks][0], -ua[2 * ks][1]);
+      uf[ks][1] = pack_bf16(-ua[2 * ks][2], -ua[2 * ks][3]);
+      uf[ks][2] = pack_bf16(-ua[2 * ks + 1][0], -ua[2 * ks + 1][1]);
+      uf[ks][3] = pack_bf16(-ua[2 * ks + 1][2], -ua[2 * ks + 1][3]);
+    }
+
+    // oa += U^T M'^T over the token blocks ks <= np only (M' is zero above its diagonal).
+KDA_UNROLL
+    for (int np = 0; np < kChunk / 16; ++np) {
+KDA_UNROLL
+      for (int ks = 0; ks <= np; ++ks) {
+        uint32_t b[4];
+        ops.ldsm_x4(b, stage + T::kMp + off_mp + np * 16 * T::kPitchMp + ks * 32);
+        ops.mma(oa[2 * np], uf[ks], b[0], b[1]);
+        ops.mma(oa[2 * np + 1], uf[ks], b[2], b[3]);
+      }
+    }
+
+    // o rows of this chunk: token 8 nt + 2t + (r & 1), value column v0 + g + 8 (r >> 1).
+    const int64_t t0 = span.bos + n * kChunk;
+    const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
+    __nv_bfloat16* orow =
+        p.o + t0 * p.o_stride + static_cast<int64_t>(head) * kHeadDim + v0 + g;
+KDA_UNROLL
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+KDA_UNROLL
+      for (int r = 0; r < 4; ++r) {
+        const int i = 8 * nt + 2 * t + (r & 1);
+        if (i < rows) orow[i * p.o_stride + 8 * (r >> 1)] = __float2bfloat16_rn(oa[nt][r]);
+      }
+    }
+
+    // S^T = S0^T diag(gamma) + U^T Kb'.
+KDA_UNROLL
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
+      st[nt][0] *= gm0;
+      st[nt][1] *= gm1;
+      st[nt][2] *= gm0;
+      st[nt][3] *= gm1;
+    }
+KDA_UNROLL
+    for (int np = 0; np < kHeadDim / 16; ++np) {
+KDA_UNROLL
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        uint32_t b[4];
+        ops.ldsm_x4_trans(b, stage + T::kKb + off_kb + ks * 16 * T::kPitchTile + np * 32);
+        ops.mma(st[2 * np], uf[ks], b[0], b[1]);
+        ops.mma(st[2 * np + 1], uf[ks], b[2], b[3]);
+      }
+    }
+    ops.sync();  // everyone is done with this stage before it is refilled
+  }
+
+KDA_UNROLL
+  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      state[c * p.state_k + v * p.state_v] = st[nt][r];
+    }
+  }
+}
+
+}  // namespace kda::chunked

@@ -1,0 +1,526 @@
+// kda_chunked (the chunked KDA recurrence on tensor cores) on the GPU, against the float64
+// reference (kda::ref::prep_recurrence) and against the token-by-token kernel
+// kda_prep_recurrence, fed the same bf16 inputs. KDA_TEST_QUICK=1 runs a reduced set (for
+// compute-sanitizer).
+#include <doctest/doctest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kda/error.h"
+#include "layer/kda_chunked.h"
+#include "layer/kda_steps.h"
+#include "layer/layer_reference.h"
+#include "support/gpu_buffers.h"
+
+namespace {
+
+using kda::test::DeviceBuffer;
+using kda::test::to_device;
+
+constexpr int64_t kD = 128;
+constexpr uint16_t kNanBf16 = 0xFFFF;  // what fill_bytes(0xFF) leaves: a NaN
+
+bool quick() {
+  const char* q = std::getenv("KDA_TEST_QUICK");
+  return q && std::strcmp(q, "1") == 0;
+}
+
+enum class Kind { Live, NullLine, OutsidePool };
+
+struct Seq {
+  int32_t length;
+  Kind kind = Kind::Live;
+  bool initial = false;
+};
+
+// Batch metadata padded to max_seqs entries as the module pads it (query_start_loc repeated,
+// null line), on the host and on the device.
+struct Batch {
+  std::vector<int32_t> qsl, lines;
+  std::unique_ptr<bool[]> initial;
+  int64_t max_seqs = 0, tokens = 0, cache_lines = 0;
+  int32_t null_line = 0;
+  std::vector<int64_t> processed;  // sequences with tokens that name a real line
+  DeviceBuffer d_qsl, d_lines, d_initial;
+
+  Batch(const std::vector<Seq>& seqs, int64_t padding, int64_t pool_lines, std::mt19937_64& rng)
+      : max_seqs(static_cast<int64_t>(seqs.size()) + padding), cache_lines(pool_lines) {
+    std::vector<int32_t> free_lines;
+    for (int32_t l = 1; l < pool_lines; ++l) free_lines.push_back(l);
+    std::shuffle(free_lines.begin(), free_lines.end(), rng);
+    initial.reset(new bool[static_cast<size_t>(max_seqs)]);
+    qsl.push_back(0);
+    size_t next = 0;
+    for (int64_t s = 0; s < max_seqs; ++s) {
+      const Seq q = s < static_cast<int64_t>(seqs.size()) ? seqs[static_cast<size_t>(s)]
+                                                           : Seq{0, Kind::NullLine, true};
+      qsl.push_back(qsl.back() + q.length);
+      initial[s] = q.initial;
+      if (q.kind == Kind::Live) {
+        REQUIRE(next < free_lines.size());
+        lines.push_back(free_lines[next++]);
+        if (q.length > 0) processed.push_back(s);
+      } else if (q.kind == Kind::NullLine) {
+        lines.push_back(null_line);
+      } else {
+        lines.push_back(s % 2 ? static_cast<int32_t>(pool_lines + 2) : -3);
+      }
+    }
+    tokens = qsl.back();
+    upload();
+  }
+
+  void upload() {
+    d_qsl = to_device(qsl);
+    d_lines = to_device(lines);
+    d_initial = DeviceBuffer(static_cast<size_t>(max_seqs));
+    d_initial.upload(initial.get(), static_cast<size_t>(max_seqs));
+  }
+
+  kda::ref::HostBatch host() const {
+    kda::ref::HostBatch b;
+    b.query_start_loc = qsl.data();
+    b.cache_indices = lines.data();
+    b.has_initial_state = initial.get();
+    b.num_seqs = max_seqs;
+    b.null_line = null_line;
+    b.cache_lines = cache_lines;
+    return b;
+  }
+};
+
+// lengths as live sequences, alternately with and without an initial state, plus a skipped
+// sequence (null line), an empty one and one outside the pool in the middle.
+std::vector<Seq> varlen(const std::vector<int32_t>& lengths, bool flip) {
+  std::vector<Seq> seqs;
+  for (size_t i = 0; i < lengths.size(); ++i) seqs.push_back({lengths[i], Kind::Live, (i % 2 == 1) != flip});
+  const auto at = [&](size_t i) { return seqs.begin() + static_cast<std::ptrdiff_t>(std::min(i, seqs.size())); };
+  seqs.insert(at(1), Seq{20, Kind::NullLine, true});
+  seqs.insert(at(3), Seq{0, Kind::Live, true});
+  seqs.insert(at(4), Seq{9, Kind::OutsidePool, true});
+  return seqs;
+}
+
+// Pool element (line, head, k, v) at these strides.
+struct PoolLayout {
+  const char* name;
+  int64_t line, head, k, v;
+};
+PoolLayout contiguous(int64_t heads) { return {"(line, head, k, v)", heads * kD * kD, kD * kD, kD, 1}; }
+PoolLayout transposed_with_gaps(int64_t heads) {
+  const int64_t head = kD * kD + 32;
+  return {"(line, head, v, k) with gaps", heads * head + 96, head, 1, kD};
+}
+
+// Everything one launch reads and writes. Input rows that belong to no processed sequence
+// (skipped sequences, rows past the batch) are NaN, so reading them would show in o.
+struct Problem {
+  int64_t heads, part, bucket, qkv_stride, g1_stride, b_stride, b_offset, o_stride;
+  std::optional<double> lower_bound;
+  PoolLayout layout;
+  Batch& batch;
+  std::vector<uint16_t> q, k, v, g1, b;
+  std::vector<float> a_log, dt_bias, pool0;
+  DeviceBuffer d_q, d_k, d_v, d_g1, d_b, d_a_log, d_dt_bias, d_pool, d_o, d_work;
+
+  Problem(int64_t h, std::optional<double> bound, PoolLayout pool_layout, Batch& tb,
+          std::mt19937_64& rng, bool padded, bool centred_keys)
+      : heads(h), part(h * kD), lower_bound(bound), layout(pool_layout), batch(tb) {
+    bucket = batch.tokens + 29;
+    qkv_stride = padded ? part + 12 : part;
+    g1_stride = part + 4;
+    b_offset = 3 * part;
+    b_stride = (3 * part + heads + 256 + 63) / 64 * 64;
+    o_stride = padded ? part + 8 : part;
+    // Keys either zero-mean (nearly orthogonal) or all positive-leaning, which makes them
+    // strongly correlated: A's entries near beta, the harder case for the chunk's solve.
+    const double lo = centred_keys ? -1.0 : -0.3, hi = centred_keys ? 1.0 : 1.2;
+    q = random_bf16(rng, bucket * qkv_stride, lo, hi);
+    k = random_bf16(rng, bucket * qkv_stride, lo, hi);
+    v = random_bf16(rng, bucket * qkv_stride, -1, 1);
+    g1 = random_bf16(rng, bucket * g1_stride, -1.5, 1.5);
+    b = random_bf16(rng, bucket * b_stride, -3, 3);
+    // exp(A_log) in [e^-1, e] and softplus(g1 + dt_bias) <= softplus(1.5): decays per step in
+    // about [exp(-5), 1); two channels per head sit past the softplus threshold (x > 20), so
+    // they forget everything at every token (g about -60).
+    a_log = random_floats(rng, heads, -1, 1);
+    dt_bias = random_floats(rng, part, -4, 0);
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      dt_bias[static_cast<size_t>(hh * kD + 5)] = 25.0f;
+      dt_bias[static_cast<size_t>(hh * kD + 77)] = 21.0f;
+    }
+    std::vector<char> live(static_cast<size_t>(bucket), 0);
+    for (int64_t s : batch.processed)
+      for (int64_t r = batch.qsl[static_cast<size_t>(s)]; r < batch.qsl[static_cast<size_t>(s) + 1]; ++r)
+        live[static_cast<size_t>(r)] = 1;
+    for (int64_t r = 0; r < bucket; ++r) {
+      if (live[static_cast<size_t>(r)]) continue;
+      for (auto* plane : {&q, &k, &v})
+        std::fill_n(plane->begin() + r * qkv_stride, qkv_stride, kNanBf16);
+      std::fill_n(g1.begin() + r * g1_stride, g1_stride, kNanBf16);
+      std::fill_n(b.begin() + r * b_stride, b_stride, kNanBf16);
+    }
+    // Lines of sequences without an initial state hold NaN: reading them would show.
+    pool0 = random_floats(rng, batch.cache_lines * layout.line, -0.5, 0.5);
+    for (int64_t s : batch.processed) {
+      if (batch.initial[s]) continue;
+      const int64_t line = batch.lines[static_cast<size_t>(s)];
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t i = 0; i < kD; ++i)
+          for (int64_t j = 0; j < kD; ++j)
+            pool0[static_cast<size_t>(line * layout.line + hh * layout.head + i * layout.k + j * layout.v)] =
+                std::numeric_limits<float>::quiet_NaN();
+    }
+    d_q = to_device(q);
+    d_k = to_device(k);
+    d_v = to_device(v);
+    d_g1 = to_device(g1);
+    d_b = to_device(b);
+    d_a_log = to_device(a_log);
+    d_dt_bias = to_device(dt_bias);
+    d_pool = DeviceBuffer(pool0.size() * sizeof(float));
+    d_o = DeviceBuffer(static_cast<size_t>(bucket * o_stride) * sizeof(uint16_t));
+    d_work = DeviceBuffer(std::max<size_t>(kda::kda_chunked_workspace_bytes(args()), 16));
+  }
+
+  static std::vector<uint16_t> random_bf16(std::mt19937_64& rng, int64_t n, double lo, double hi) {
+    std::uniform_real_distribution<double> dist(lo, hi);
+    std::vector<uint16_t> out(static_cast<size_t>(n));
+    for (auto& x : out) x = kda::ref::bf16_bits(dist(rng));
+    return out;
+  }
+  static std::vector<float> random_floats(std::mt19937_64& rng, int64_t n, double lo, double hi) {
+    std::uniform_real_distribution<double> dist(lo, hi);
+    std::vector<float> out(static_cast<size_t>(n));
+    for (auto& x : out) x = static_cast<float>(dist(rng));
+    return out;
+  }
+
+  kda::PrepRecurrenceArgs args() const {
+    kda::PrepRecurrenceArgs a;
+    a.num_heads = heads;
+    a.num_tokens = bucket;
+    a.max_seqs = batch.max_seqs;
+    a.query_start_loc = batch.d_qsl.as<int32_t>();
+    a.cache_indices = batch.d_lines.as<int32_t>();
+    a.has_initial_state = batch.d_initial.as<bool>();
+    a.null_line = batch.null_line;
+    a.q = d_q.get();
+    a.k = d_k.get();
+    a.v = d_v.get();
+    a.qkv_row_stride = qkv_stride;
+    a.g1 = d_g1.get();
+    a.g1_row_stride = g1_stride;
+    a.b = d_b.get();
+    a.b_row_stride = b_stride;
+    a.b_col_offset = b_offset;
+    a.a_log = d_a_log.as<float>();
+    a.dt_bias = d_dt_bias.as<float>();
+    a.gate_lower_bound = lower_bound;
+    a.states = d_pool.as<float>();
+    a.cache_lines = batch.cache_lines;
+    a.state_stride_line = layout.line;
+    a.state_stride_head = layout.head;
+    a.state_stride_k = layout.k;
+    a.state_stride_v = layout.v;
+    a.o = d_o.get();
+    a.o_row_stride = o_stride;
+    return a;
+  }
+
+  // Poisons o and the workspace, restores the starting pool, launches, waits.
+  void run_chunked(kda::Stream stream = nullptr) {
+    reset();
+    kda::kda_chunked(args(), d_work.get(), d_work.bytes(), stream);
+    kda::test::device_synchronize();
+  }
+  void run_simple() {
+    reset();
+    kda::kda_prep_recurrence(args(), nullptr);
+    kda::test::device_synchronize();
+  }
+  void reset() {
+    d_o.fill_bytes(0xFF);
+    d_work.fill_bytes(0xFF);
+    d_pool.upload(pool0);
+  }
+
+  struct Result {
+    std::vector<uint16_t> o;
+    std::vector<float> pool;
+  };
+  Result result() const { return {d_o.download_as<uint16_t>(), d_pool.download_as<float>()}; }
+
+  struct Reference {
+    kda::ref::Matrix o;
+    std::vector<float> pool;
+  };
+  Reference reference() const {
+    using kda::ref::matrix_from_bf16;
+    Reference r;
+    r.pool = pool0;
+    kda::ref::StatePool sp{r.pool.data(), layout.line, layout.head, layout.k, layout.v};
+    r.o = kda::ref::prep_recurrence(
+        matrix_from_bf16(q.data(), bucket, part, qkv_stride), matrix_from_bf16(k.data(), bucket, part, qkv_stride),
+        matrix_from_bf16(v.data(), bucket, part, qkv_stride), matrix_from_bf16(g1.data(), bucket, part, g1_stride),
+        matrix_from_bf16(b.data() + b_offset, bucket, heads, b_stride), a_log.data(), dt_bias.data(),
+        lower_bound, batch.host(), sp, /*round_bf16=*/false);
+    return r;
+  }
+};
+
+double rel_frobenius(const std::vector<double>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+struct Worst {
+  double o = 0, state = 0;
+};
+
+// Per processed sequence: o rows and final state of `got` against `want_o` / `want_pool`
+// within the tolerances. Everything else must be untouched: o rows of no processed sequence
+// and o's padding columns keep their NaN poison, pool elements outside the processed lines'
+// states (other lines, the holes of a strided layout) are bit-identical to the start.
+template <typename OAt>
+Worst check_against(const Problem& pr, const Problem::Result& got, OAt want_o,
+                    const std::vector<float>& want_pool, double o_tol, double state_tol) {
+  Worst worst;
+  const Batch& tb = pr.batch;
+  std::vector<char> row_written(static_cast<size_t>(pr.bucket), 0);
+  std::vector<char> state_written(got.pool.size(), 0);
+  for (int64_t s : tb.processed) {
+    const int64_t bos = tb.qsl[static_cast<size_t>(s)], eos = tb.qsl[static_cast<size_t>(s) + 1];
+    const int64_t line = tb.lines[static_cast<size_t>(s)];
+    CAPTURE(s);
+    CAPTURE(eos - bos);
+    CAPTURE(tb.initial[s]);
+    std::vector<double> g, w;
+    bool finite = true;
+    for (int64_t r = bos; r < eos; ++r) {
+      row_written[static_cast<size_t>(r)] = 1;
+      for (int64_t c = 0; c < pr.part; ++c) {
+        const double x = kda::ref::bf16_value(got.o[static_cast<size_t>(r * pr.o_stride + c)]);
+        finite = finite && std::isfinite(x);
+        g.push_back(x);
+        w.push_back(want_o(r, c));
+      }
+    }
+    CHECK(finite);
+    const double o_err = rel_frobenius(g, w);
+    CHECK(o_err <= o_tol);
+    worst.o = std::max(worst.o, o_err);
+    g.clear();
+    w.clear();
+    for (int64_t h = 0; h < pr.heads; ++h)
+      for (int64_t i = 0; i < kD; ++i)
+        for (int64_t j = 0; j < kD; ++j) {
+          const size_t at = static_cast<size_t>(line * pr.layout.line + h * pr.layout.head +
+                                                i * pr.layout.k + j * pr.layout.v);
+          state_written[at] = 1;
+          g.push_back(got.pool[at]);
+          w.push_back(want_pool[at]);
+        }
+    const double state_err = rel_frobenius(g, w);
+    CHECK(state_err <= state_tol);
+    worst.state = std::max(worst.state, state_err);
+  }
+  int64_t o_changed = 0;
+  for (int64_t r = 0; r < pr.bucket; ++r)
+    for (int64_t c = 0; c < pr.o_stride; ++c)
+      if ((!row_written[static_cast<size_t>(r)] || c >= pr.part) &&
+          got.o[static_cast<size_t>(r * pr.o_stride + c)] != kNanBf16)
+        ++o_changed;
+  CHECK(o_changed == 0);
+  int64_t pool_changed = 0;
+  for (size_t i = 0; i < got.pool.size(); ++i)
+    if (!state_written[i] && std::memcmp(&got.pool[i], &pr.pool0[i], sizeof(float)) != 0) ++pool_changed;
+  CHECK(pool_changed == 0);
+  return worst;
+}
+
+Worst check_reference(const Problem& pr, const Problem::Result& got, const Problem::Reference& ref) {
+  return check_against(pr, got, [&](int64_t r, int64_t c) { return ref.o.at(r, c); }, ref.pool, 1e-2, 5e-3);
+}
+
+// The token-by-token kernel is itself within bf16 rounding of the reference, so the two GPU
+// results must agree to the chunked kernel's tolerances as well.
+Worst check_simple(const Problem& pr, const Problem::Result& got, const Problem::Result& simple) {
+  return check_against(
+      pr, got,
+      [&](int64_t r, int64_t c) { return kda::ref::bf16_value(simple.o[static_cast<size_t>(r * pr.o_stride + c)]); },
+      simple.pool, 1e-2, 5e-3);
+}
+
+std::string describe(const char* what, int64_t heads, const std::optional<double>& bound,
+                     const PoolLayout& layout, const Worst& ref, const Worst& simple) {
+  std::ostringstream os;
+  os << what << ", H " << heads << (bound ? ", lower bound, " : ", softplus, ") << layout.name
+     << ": worst relative error vs float64 o " << ref.o << ", state " << ref.state
+     << "; vs kda_prep_recurrence o " << simple.o << ", state " << simple.state;
+  return os.str();
+}
+
+}  // namespace
+
+TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kernel on varlen batches") {
+  const std::vector<int32_t> lengths = quick() ? std::vector<int32_t>{1, 16, 17, 65}
+                                               : std::vector<int32_t>{1, 15, 16, 17, 63, 64, 65, 1000};
+  const std::vector<int64_t> head_counts = quick() ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 12};
+  for (int64_t heads : head_counts) {
+    for (std::optional<double> bound : {std::optional<double>{}, std::optional<double>{-5.0}}) {
+      for (bool transposed : {false, true}) {
+        const PoolLayout layout = transposed ? transposed_with_gaps(heads) : contiguous(heads);
+        CAPTURE(heads);
+        CAPTURE(bound.has_value());
+        CAPTURE(layout.name);
+        std::mt19937_64 rng(2000 + heads * 10 + bound.has_value() * 2 + transposed);
+        Batch batch(varlen(lengths, /*flip=*/transposed), /*padding=*/3,
+                    /*pool_lines=*/static_cast<int64_t>(lengths.size()) + 6, rng);
+        Problem pr(heads, bound, layout, batch, rng, /*padded=*/transposed, /*centred_keys=*/transposed);
+        pr.run_simple();
+        const Problem::Result simple = pr.result();
+        pr.run_chunked();
+        const Problem::Result got = pr.result();
+        const Worst vs_ref = check_reference(pr, got, pr.reference());
+        const Worst vs_simple = check_simple(pr, got, simple);
+        MESSAGE(describe("varlen", heads, bound, layout, vs_ref, vs_simple));
+
+        pr.run_chunked();  // from the same starting pool: bitwise the same
+        const Problem::Result again = pr.result();
+        CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
+        CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
+  // One sequence of 16384 tokens and sixteen of 1024 (the benchmark's shapes), few heads so
+  // that the float64 reference stays fast. Quick mode: one sequence of 4096.
+  struct Case {
+    std::vector<int32_t> lengths;
+    int64_t heads;
+    std::optional<double> bound;
+  };
+  std::vector<Case> cases;
+  if (quick()) {
+    cases.push_back({{4096}, 1, std::nullopt});
+  } else {
+    cases.push_back({{16384}, 2, std::nullopt});
+    cases.push_back({std::vector<int32_t>(16, 1024), 1, -5.0});
+  }
+  for (const Case& cs : cases) {
+    CAPTURE(cs.lengths.size());
+    std::mt19937_64 rng(3000 + cs.lengths.size());
+    std::vector<Seq> seqs;
+    for (size_t i = 0; i < cs.lengths.size(); ++i) seqs.push_back({cs.lengths[i], Kind::Live, i % 2 == 0});
+    Batch batch(seqs, /*padding=*/1, static_cast<int64_t>(seqs.size()) + 3, rng);
+    Problem pr(cs.heads, cs.bound, contiguous(cs.heads), batch, rng, false, /*centred_keys=*/false);
+    pr.run_simple();
+    const Problem::Result simple = pr.result();
+    pr.run_chunked();
+    const Problem::Result got = pr.result();
+    const Worst vs_ref = check_reference(pr, got, pr.reference());
+    const Worst vs_simple = check_simple(pr, got, simple);
+    MESSAGE(describe(cs.lengths.size() == 1 ? "one long sequence" : "16 x 1024", cs.heads, cs.bound,
+                     contiguous(cs.heads), vs_ref, vs_simple));
+  }
+}
+
+TEST_CASE("a captured kda_chunked replays with new batch metadata") {
+  std::mt19937_64 rng(91);
+  const int64_t heads = 2;
+  // Two batches of the same capacity (7 sequences, 200 + 29 rows); the graph is recorded
+  // holding the first batch's metadata and replayed with the second's.
+  Batch first({{150, Kind::Live, false}, {50, Kind::Live, true}}, 5, 12, rng);
+  Batch second({{5, Kind::Live, true}, {0, Kind::Live, true}, {70, Kind::NullLine, true},
+                {64, Kind::Live, false}, {61, Kind::Live, true}},
+               2, 12, rng);
+  REQUIRE(first.max_seqs == second.max_seqs);
+  REQUIRE(first.tokens == second.tokens);
+  Problem pr(heads, std::nullopt, contiguous(heads), second, rng, false, true);
+  pr.run_chunked();  // eager first launch (also the warm-up)
+  const Problem::Result direct = pr.result();
+
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  second.d_qsl.upload(first.qsl);
+  second.d_lines.upload(first.lines);
+  second.d_initial.upload(first.initial.get(), static_cast<size_t>(first.max_seqs));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  kda::kda_chunked(pr.args(), pr.d_work.get(), pr.d_work.bytes(), stream);
+  REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  pr.reset();
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+
+  second.d_qsl.upload(second.qsl);
+  second.d_lines.upload(second.lines);
+  second.d_initial.upload(second.initial.get(), static_cast<size_t>(second.max_seqs));
+  pr.reset();
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+  const Problem::Result replayed = pr.result();
+  CHECK(kda::test::diff_bits(direct.o.data(), replayed.o.data(), direct.o.size() * 2) == 0);
+  CHECK(kda::test::diff_bits(direct.pool.data(), replayed.pool.data(), direct.pool.size() * 4) == 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST_CASE("kda_chunked with bad arguments or workspace throws and enqueues nothing") {
+  std::mt19937_64 rng(8);
+  Batch batch({{9, Kind::Live, true}, {70, Kind::Live, false}}, 0, 4, rng);
+  Problem pr(2, std::nullopt, contiguous(2), batch, rng, false, true);
+  pr.reset();
+  kda::PrepRecurrenceArgs a = pr.args();
+  void* work = pr.d_work.get();
+  size_t bytes = pr.d_work.bytes();
+  std::string expected;
+  SUBCASE("misaligned q") {
+    a.q = static_cast<const char*>(a.q) + 2;
+    expected = "aligned";
+  }
+  SUBCASE("head_dim 64") {
+    a.head_dim = 64;
+    expected = "head_dim";
+  }
+  SUBCASE("workspace one byte short") {
+    bytes = kda::kda_chunked_workspace_bytes(a) - 1;
+    expected = "workspace";
+  }
+  SUBCASE("no workspace") {
+    work = nullptr;
+    expected = "workspace";
+  }
+  SUBCASE("misaligned workspace") {
+    work = static_cast<char*>(work) + 8;
+    expected = "16-byte aligned";
+  }
+  CHECK_THROWS_WITH_AS(kda::kda_chunked(a, work, bytes, nullptr), doctest::Contains(expected.c_str()), kda::Error);
+  kda::test::device_synchronize();
+  const Problem::Result after = pr.result();
+  CHECK(std::count(after.o.begin(), after.o.end(), kNanBf16) == static_cast<std::ptrdiff_t>(after.o.size()));
+  CHECK(kda::test::diff_bits(after.pool.data(), pr.pool0.data(), after.pool.size() * 4) == 0);
+}
