@@ -12,7 +12,6 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
-#include "kda/prefill.h"
 #include "layer/kda_device_math.cuh"
 #include "layer/kda_steps.h"
 
@@ -148,30 +147,6 @@ void gated_rmsnorm(const GatedRmsNormArgs& a, Stream stream) {
       KDA_FAIL(kFunction, "head_dim ", a.head_dim, " is not supported; only 128 is");
   }
   KDA_CUDA_CHECK(kFunction, cudaGetLastError());
-}
-
-GatedRmsNormArgs gated_rmsnorm_args_for_step(const StepContext& ctx, const void* o,
-                                             int64_t o_row_stride, const void* g2,
-                                             int64_t g2_row_stride, void* y,
-                                             int64_t y_row_stride) {
-  KDA_CHECK(ctx.config && ctx.weights, "kda::gated_rmsnorm_args_for_step",
-            "the step context has no config or no weights");
-  const ModelConfig& m = ctx.config->model;
-  GatedRmsNormArgs a;
-  a.num_heads = m.num_heads;
-  a.head_dim = m.head_dim;
-  a.num_tokens = ctx.bucket_tokens;
-  a.query_start_loc = ctx.query_start_loc;
-  a.num_seqs = ctx.max_seqs;
-  a.o = o;
-  a.o_row_stride = o_row_stride;
-  a.g2 = g2;
-  a.g2_row_stride = g2_row_stride;
-  a.weight = ctx.weights->o_norm_weight;
-  a.eps = m.norm_eps;
-  a.y = y;
-  a.y_row_stride = y_row_stride;
-  return a;
 }
 
 }  // namespace kda

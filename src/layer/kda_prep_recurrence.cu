@@ -28,7 +28,6 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
-#include "kda/prefill.h"
 #include "layer/kda_device_math.cuh"
 #include "layer/kda_steps.h"
 
@@ -368,44 +367,6 @@ void kda_prep_recurrence(const PrepRecurrenceArgs& a, Stream stream) {
       KDA_FAIL(kFunction, "head_dim ", a.head_dim, " is not supported; only 128 is");
   }
   KDA_CUDA_CHECK(kFunction, cudaGetLastError());
-}
-
-PrepRecurrenceArgs prep_recurrence_args_for_step(const StepContext& ctx, const void* g1,
-                                                 int64_t g1_row_stride, void* o,
-                                                 int64_t o_row_stride) {
-  KDA_CHECK(ctx.config && ctx.weights, "kda::prep_recurrence_args_for_step",
-            "the step context has no config or no weights");
-  const ModelConfig& m = ctx.config->model;
-  PrepRecurrenceArgs a;
-  a.num_heads = m.num_heads;
-  a.head_dim = m.head_dim;
-  a.num_tokens = ctx.bucket_tokens;
-  a.max_seqs = ctx.max_seqs;
-  a.query_start_loc = ctx.query_start_loc;
-  a.cache_indices = ctx.cache_indices;
-  a.has_initial_state = ctx.has_initial_state;
-  a.null_line = ctx.config->pools.null_line;
-  a.q = ctx.q;
-  a.k = ctx.k;
-  a.v = ctx.v;
-  a.qkv_row_stride = m.part_dim();
-  a.g1 = g1;
-  a.g1_row_stride = g1_row_stride;
-  a.b = ctx.in_proj_out;
-  a.b_row_stride = m.in_proj_stride();
-  a.b_col_offset = 3 * m.part_dim();
-  a.a_log = ctx.weights->A_log;
-  a.dt_bias = ctx.weights->dt_bias;
-  a.gate_lower_bound = m.gate_lower_bound;
-  a.states = ctx.recurrent_states;
-  a.cache_lines = ctx.config->pools.cache_lines;
-  a.state_stride_v = 1;
-  a.state_stride_k = m.head_dim;
-  a.state_stride_head = m.head_dim * m.head_dim;
-  a.state_stride_line = m.num_heads * m.head_dim * m.head_dim;
-  a.o = o;
-  a.o_row_stride = o_row_stride;
-  return a;
 }
 
 }  // namespace kda

@@ -1,7 +1,7 @@
 // The KDA layer's GPU steps after the conv and the gate GEMMs (/shared/spec/kda-layer.md
 // steps 4-6): the per-token prep fused into the token-by-token gated delta-rule recurrence,
 // and the gated RMSNorm. CUDA-free: host code includes this header, the kernels live in
-// kda_prep_recurrence.cu and gated_rmsnorm.cu.
+// kda_prep_recurrence.cu and gated_rmsnorm.cu, the StepContext adapters in kda_step_args.cpp.
 //
 // All pointers are device pointers, all strides are in elements, bf16 tensors are row-major
 // with column stride 1. Row counts are capacities (a bucket's rows) and the grids depend only
