@@ -76,7 +76,8 @@ constexpr int kMaxWarpsPerCta = 8;
 
 // Each warp stages its tile's 4 taps and 3 state columns in shared memory, rows padded by 8
 // floats. A launch stays within the 48 KiB of dynamic shared memory available without opt-in.
-constexpr int staging_floats_per_warp(int tile) { return 7 * (tile + 8); }
+constexpr int staging_pitch(int tile) { return tile + 8; }
+constexpr int staging_floats_per_warp(int tile) { return 7 * staging_pitch(tile); }
 constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
 constexpr int64_t kMaxStagingBytes = 48 * 1024;
 

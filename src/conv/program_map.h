@@ -14,7 +14,7 @@
 // f(base + j*stride) with p for the 32 candidates j and keeps the last one that is <= p.
 // On the host (and in tests) a loop counts the candidates; in the kernel the 32 lanes of a
 // warp each load one candidate and count with __ballot_sync. Both go through
-// find_sequence(), so they give the same answer.
+// find_sequence(), so they give the same answer when the predicates form a prefix.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +31,14 @@ namespace kda::conv {
 
 constexpr int kRadix = 32;
 constexpr int kRadixShift = 5;
+
+KDA_HOST_DEVICE inline int popcount32(uint32_t mask) {
+#if defined(__CUDA_ARCH__)
+  return __popc(mask);
+#else
+  return __builtin_popcount(mask);
+#endif
+}
 
 // Levels of the radix search for num_seqs sequences: the smallest n >= 1 with 32^n >= num_seqs.
 KDA_HOST_DEVICE inline int search_steps(int64_t num_seqs) {
@@ -124,21 +132,21 @@ KDA_HOST_DEVICE inline ProgramChunk locate_program_scalar(const int32_t* qsl, in
   return chunk_of_sequence(qsl, seq, chunk_shift, p);
 }
 
-#if defined(__CUDACC__)
-// The warp-cooperative map, called by all 32 lanes of a warp with the same p: lane j loads
-// candidate j, so each level is one load per lane and one ballot. Returns the same chunk to
-// every lane.
-__device__ __forceinline__ ProgramChunk locate_program_warp(const int32_t* qsl, int64_t num_seqs,
-                                                            int chunk_shift, int steps,
-                                                            int64_t stride, int64_t p,
-                                                            int lane) {
+// The warp-cooperative map, called by all 32 lanes of a warp with the same p: lane j tests
+// candidate j, so each level is one load per lane and one ballot. load(i) reads qsl[i] (the
+// kernel uses the read-only cache); ballot(pred) returns the warp's 32 predicates as a mask
+// (__ballot_sync on the device, an emulation in the CPU tests). Every lane gets the same chunk.
+template <typename LoadFn, typename BallotFn>
+KDA_HOST_DEVICE inline ProgramChunk locate_program_warp(const int32_t* qsl, int64_t num_seqs,
+                                                        int chunk_shift, int steps,
+                                                        int64_t stride, int64_t p, int lane,
+                                                        LoadFn&& load, BallotFn&& ballot) {
   const int64_t seq = find_sequence(steps, stride, [&](int64_t base, int64_t st) {
     const int64_t cand = base + lane * st;
-    const bool le = cand < num_seqs && first_program(__ldg(qsl + cand), cand, chunk_shift) <= p;
-    return __popc(__ballot_sync(0xFFFFFFFFu, le));
+    const bool le = cand < num_seqs && first_program(load(cand), cand, chunk_shift) <= p;
+    return popcount32(ballot(le));
   });
   return chunk_of_sequence(qsl, seq, chunk_shift, p);
 }
-#endif
 
 }  // namespace kda::conv

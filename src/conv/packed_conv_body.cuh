@@ -1,0 +1,437 @@
+// The packed conv kernel's per-warp program body, written once for the GPU and for a CPU
+// emulation (tests/conv/test_packed_conv_emu.cpp runs it with one std::thread per lane).
+// Everything that differs between the two goes through an Ops object:
+//
+//   template <int kBytes> RowOf<kBytes> load_x(const char* p)   x row bytes, read-only path
+//   template <int kBytes> void store_out(char* p, const RowOf<kBytes>& r)
+//   float load_ro(const float* p)          Float4 load4_ro(const float* p)   read-only path
+//   Float4 load4(const float* p)           void store4(float* p, Float4 v)   shared or global
+//   int32_t load_i32_ro(const int32_t* p)  bool load_flag(const bool* p)     (byte != 0)
+//   float from_bits(uint32_t b)            uint32_t to_bits(float v)
+//   float fp16_to_f32(uint16_t h)          uint16_t f32_to_bf16_rn(float)   uint16_t f32_to_fp16_rn(float)
+//   float silu(float acc)                  (device: silu_stock; CPU: silu_host_approx)
+//   uint32_t ballot(bool pred)             void syncwarp()
+//   float* stage()                         this warp's staging area (staging_floats_per_warp)
+//
+// One warp is one program: a (sequence, token chunk) of the program map (program_map.h) times
+// a tile of 32 * vec channels inside one output plane. Each lane owns vec adjacent channels: it
+// keeps their taps, bias and 3 history rows in registers and streams the chunk's rows through a
+// register queue of kQueueRows loads in flight. Taps and conv state move through the warp's
+// staging area in memory order. The arithmetic is silu_recipe.h's.
+#pragma once
+
+#include <cstdint>
+
+#include "conv/conv_params.h"
+#include "conv/program_map.h"
+#include "conv/silu_recipe.h"
+#include "kda/packed_conv.h"
+
+#if defined(__CUDACC__)
+#define KDA_INLINE __forceinline__
+#else
+#define KDA_INLINE inline
+#endif
+// Unroll hints for the device compiler only (the host compiler would warn about them).
+#if defined(__CUDA_ARCH__)
+#define KDA_UNROLL _Pragma("unroll")
+#define KDA_UNROLL_8 _Pragma("unroll 8")
+#else
+#define KDA_UNROLL
+#define KDA_UNROLL_8
+#endif
+
+namespace kda::conv {
+
+constexpr int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+constexpr int dtype_bytes(DType t) { return t == DType::FP32 ? 4 : 2; }
+
+// Compile-time facts of one instance: element type and channels per lane.
+template <DType kDType, int kVecChannels>
+struct PackedConvTraits {
+  static constexpr DType kElem = kDType;
+  static constexpr int kElemBytes = dtype_bytes(kDType);
+  static constexpr int kVec = kVecChannels;                   // channels per lane
+  static constexpr int kTile = 32 * kVec;                     // channels per program
+  static constexpr int kRowBytes = kVec * kElemBytes;         // bytes a lane moves per token
+  static constexpr int kWords = kRowBytes >= 4 ? kRowBytes / 4 : 1;
+  // About 128 bytes of loads in flight per lane, 4 to 16 rows: 16 rows of 4 bf16 channels,
+  // 8 rows of 8 bf16 or 4 fp32 channels, 4 rows of 8 fp32 channels.
+  static constexpr int kQueueRows = clamp_int(128 / kRowBytes, 4, 16);
+
+  static_assert(kVec == 1 || kVec == 2 || kVec == 4 || kVec == 8, "vec is 1, 2, 4 or 8");
+  // part_dim % 64 == 0 and the launcher checks part_dim % kTile == 0 for the larger tiles.
+  static_assert(kTile == 32 || kTile == 64 || kTile == 128 || kTile == 256, "tile");
+  static_assert(kRowBytes >= 2 && kRowBytes <= 32, "one to two 16-byte accesses per row");
+};
+
+// The raw bits of one lane's kVec elements of one row. Element i sits in word i / 2
+// (16-bit types, low half first: little endian) or word i (fp32).
+template <int kWords>
+struct RowBits {
+  uint32_t w[kWords];
+};
+
+// The RowBits holding kBytes bytes (a 2-byte row uses the low half of one word).
+template <int kBytes>
+using RowOf = RowBits<(kBytes >= 4 ? kBytes / 4 : 1)>;
+
+struct alignas(16) Float4 {
+  float x, y, z, w;
+};
+
+// Element i of a row, widened to fp32 (exact for every dtype).
+template <class Traits, class Ops, int kWords>
+KDA_HOST_DEVICE KDA_INLINE float element_f32(const Ops& ops, const RowBits<kWords>& r, int i) {
+  if constexpr (Traits::kElem == DType::FP32) {
+    return ops.from_bits(r.w[i]);
+  } else {
+    const uint32_t word = r.w[i / 2];
+    const uint32_t bits = (i % 2) ? (word >> 16) : (word & 0xFFFFu);
+    if constexpr (Traits::kElem == DType::BF16) {
+      return ops.from_bits(bits << 16);  // bf16 is the top half of an fp32
+    } else {
+      return ops.fp16_to_f32(static_cast<uint16_t>(bits));
+    }
+  }
+}
+
+// v rounded to nearest even in the element type, placed as element i of a row. Elements are
+// set in order 0, 1, ..., so an even element starts its word.
+template <class Traits, class Ops, int kWords>
+KDA_HOST_DEVICE KDA_INLINE void set_element(const Ops& ops, RowBits<kWords>& r, int i, float v) {
+  if constexpr (Traits::kElem == DType::FP32) {
+    r.w[i] = ops.to_bits(v);
+  } else {
+    const uint32_t bits = Traits::kElem == DType::BF16 ? ops.f32_to_bf16_rn(v)
+                                                       : ops.f32_to_fp16_rn(v);
+    if (i % 2 == 0) {
+      r.w[i / 2] = bits;
+    } else {
+      r.w[i / 2] |= bits << 16;
+    }
+  }
+}
+
+template <class Traits, class Ops, int kWords>
+KDA_HOST_DEVICE KDA_INLINE void row_to_f32(const Ops& ops, const RowBits<kWords>& r,
+                                           float (&dst)[Traits::kVec]) {
+  KDA_UNROLL
+  for (int v = 0; v < Traits::kVec; ++v) dst[v] = element_f32<Traits>(ops, r, v);
+}
+
+// A tile's per-channel parameters, kRows values (taps) for each of kTile channels, move between
+// global memory (element strides stride_channel, stride_row) and a warp's staging area laid
+// out [row][channel], rows kPitch floats apart. The warp walks the global elements in memory
+// order, consecutive lanes on consecutive addresses (coalesced), instead of each lane fetching
+// its own channels (one cache line per lane per access); each lane then moves its own kVec
+// channels between the staging area and registers.
+//
+// Two dense layouts move as 16-byte vectors: the tile as one block, channel-major
+// (stride_row 1, stride_channel kRows: (dim, 4) weights, a (lines, dim, 3) state), and rows of
+// contiguous channels (stride_channel 1, stride_row a multiple of 4: the transposed layouts).
+// Any other strides take the scalar walk with the smaller stride innermost.
+template <int kTile, int kVec, int kRows>
+struct TileStaging {
+  // 8 floats of padding per row: in the channel-major walks the lanes of one shared access hit
+  // (nearly) distinct banks; rows stay 16-byte aligned for vector accesses.
+  static constexpr int kPitch = kTile + 8;
+  static constexpr int kScalarPerLane = kRows * kTile / 32;
+  static constexpr int kVectorsPerLane = kRows * kTile / 128;  // Float4 per lane in a vector walk
+  static constexpr bool kVectorWalks = kVectorsPerLane * 128 == kRows * kTile;
+  static_assert(kRows <= 4, "at most 4 rows");
+  static_assert(kRows * kTile % 32 == 0, "whole warps of elements");
+  static_assert(kPitch == staging_pitch(kTile), "the staging layout of conv_params.h");
+  static_assert(kVec == 1 || kVec == 2 || kVec % 4 == 0, "lane vectors of 1, 2 or 4k floats");
+
+  enum class Walk { kBlock, kContiguousRows, kScalar };
+
+  KDA_HOST_DEVICE static KDA_INLINE Walk walk(const float* base, int64_t stride_channel,
+                                              int64_t stride_row) {
+    if constexpr (kVectorWalks) {
+      const bool aligned = (reinterpret_cast<uintptr_t>(base) & 15u) == 0;
+      if (aligned && stride_row == 1 && stride_channel == kRows) return Walk::kBlock;
+      if (aligned && stride_channel == 1 && stride_row % 4 == 0) return Walk::kContiguousRows;
+    }
+    return Walk::kScalar;
+  }
+
+  // Scalar walk: element e = lane + 32 m, the smaller stride innermost.
+  KDA_HOST_DEVICE static KDA_INLINE void scalar_index(int e, bool rows_inner, int& channel,
+                                                      int& row) {
+    channel = rows_inner ? e / kRows : e % kTile;
+    row = rows_inner ? e % kRows : e / kTile;
+  }
+
+  // kReadOnly: through the read-only cache (the weights). Otherwise plain loads (the state
+  // line, which the same warp writes afterwards).
+  template <bool kReadOnly, class Ops>
+  KDA_HOST_DEVICE static KDA_INLINE void gather(const Ops& ops, float* stage, const float* base,
+                                                int64_t stride_channel, int64_t stride_row,
+                                                int lane) {
+    const Walk w = walk(base, stride_channel, stride_row);
+    if constexpr (kVectorWalks) {
+      if (w == Walk::kBlock) {
+        KDA_UNROLL
+        for (int m = 0; m < kVectorsPerLane; ++m) {
+          const int e = 4 * (lane + 32 * m);  // channel-major element index of the block
+          const Float4 q = kReadOnly ? ops.load4_ro(base + e) : ops.load4(base + e);
+          const float vals[4] = {q.x, q.y, q.z, q.w};
+          KDA_UNROLL
+          for (int k = 0; k < 4; ++k) stage[((e + k) % kRows) * kPitch + (e + k) / kRows] = vals[k];
+        }
+        return;
+      }
+      if (w == Walk::kContiguousRows) {
+        KDA_UNROLL
+        for (int m = 0; m < kVectorsPerLane; ++m) {
+          const int e = 4 * (lane + 32 * m);  // row-major element index
+          const int r = e / kTile, c = e % kTile;
+          const float* src = base + r * stride_row + c;
+          ops.store4(stage + r * kPitch + c, kReadOnly ? ops.load4_ro(src) : ops.load4(src));
+        }
+        return;
+      }
+    }
+    const bool rows_inner = stride_row < stride_channel;
+    KDA_UNROLL_8
+    for (int m = 0; m < kScalarPerLane; ++m) {
+      int c, r;
+      scalar_index(lane + 32 * m, rows_inner, c, r);
+      const float* src = base + c * stride_channel + r * stride_row;
+      stage[r * kPitch + c] = kReadOnly ? ops.load_ro(src) : *src;
+    }
+  }
+
+  template <class Ops>
+  KDA_HOST_DEVICE static KDA_INLINE void scatter(const Ops& ops, float* base,
+                                                 int64_t stride_channel, int64_t stride_row,
+                                                 const float* stage, int lane) {
+    const Walk w = walk(base, stride_channel, stride_row);
+    if constexpr (kVectorWalks) {
+      if (w == Walk::kBlock) {
+        KDA_UNROLL
+        for (int m = 0; m < kVectorsPerLane; ++m) {
+          const int e = 4 * (lane + 32 * m);
+          float vals[4];
+          KDA_UNROLL
+          for (int k = 0; k < 4; ++k) vals[k] = stage[((e + k) % kRows) * kPitch + (e + k) / kRows];
+          ops.store4(base + e, Float4{vals[0], vals[1], vals[2], vals[3]});
+        }
+        return;
+      }
+      if (w == Walk::kContiguousRows) {
+        KDA_UNROLL
+        for (int m = 0; m < kVectorsPerLane; ++m) {
+          const int e = 4 * (lane + 32 * m);
+          const int r = e / kTile, c = e % kTile;
+          ops.store4(base + r * stride_row + c, ops.load4(stage + r * kPitch + c));
+        }
+        return;
+      }
+    }
+    const bool rows_inner = stride_row < stride_channel;
+    KDA_UNROLL_8
+    for (int m = 0; m < kScalarPerLane; ++m) {
+      int c, r;
+      scalar_index(lane + 32 * m, rows_inner, c, r);
+      base[c * stride_channel + r * stride_row] = stage[r * kPitch + c];
+    }
+  }
+
+  // The lane's kVec channels of one staged row.
+  template <class Ops>
+  KDA_HOST_DEVICE static KDA_INLINE void read_lane(const Ops& ops, const float* stage, int row,
+                                                   int lane, float (&dst)[kVec]) {
+    const float* src = stage + row * kPitch + lane * kVec;
+    if constexpr (kVec % 4 == 0) {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; v += 4) {
+        const Float4 q = ops.load4(src + v);
+        dst[v] = q.x; dst[v + 1] = q.y; dst[v + 2] = q.z; dst[v + 3] = q.w;
+      }
+    } else {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; ++v) dst[v] = src[v];
+    }
+  }
+
+  template <class Ops>
+  KDA_HOST_DEVICE static KDA_INLINE void write_lane(const Ops& ops, float* stage, int row,
+                                                    int lane, const float (&src)[kVec]) {
+    float* dst = stage + row * kPitch + lane * kVec;
+    if constexpr (kVec % 4 == 0) {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; v += 4) {
+        ops.store4(dst + v, Float4{src[v], src[v + 1], src[v + 2], src[v + 3]});
+      }
+    } else {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; ++v) dst[v] = src[v];
+    }
+  }
+};
+
+// One program of the packed conv, run by the 32 lanes of a warp (every branch below depends
+// on the program only, so the warp never diverges).
+template <class Traits, bool kSilu, bool kHasBias, class Ops>
+KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, int64_t program,
+                                                    int lane, Ops& ops) {
+  constexpr int kVec = Traits::kVec;
+  constexpr int kQueue = Traits::kQueueRows;
+  constexpr int kBytes = Traits::kRowBytes;
+  constexpr int kTile = Traits::kTile;
+  constexpr int64_t kElemBytes = Traits::kElemBytes;
+  using Row = RowBits<Traits::kWords>;
+  using Taps = TileStaging<kTile, kVec, 4>;
+  using State = TileStaging<kTile, kVec, 3>;
+
+  if (program >= p.num_programs) return;
+  const int64_t chunk_program = program / p.num_col_blocks;
+  const int64_t col_block = program - chunk_program * p.num_col_blocks;
+
+  const ProgramChunk pc = locate_program_warp(
+      p.query_start_loc, p.num_seqs, p.chunk_shift, p.search_steps, p.search_stride,
+      chunk_program, lane, [&](int64_t i) { return ops.load_i32_ro(p.query_start_loc + i); },
+      [&](bool pred) { return ops.ballot(pred); });
+  if (pc.seq < 0 || pc.begin >= pc.end) return;
+  // Malformed query_start_loc (negative, decreasing, past num_tokens) skips the sequence, so
+  // no access leaves x or out. For a well-formed one these never trigger.
+  if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return;
+  const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
+  if (p.has_null_block && line == p.null_block_id) return;
+  if (line < 0 || line >= p.num_cache_lines) return;
+
+  // The tile lies inside one plane because kTile divides part_dim.
+  const int64_t tile_begin = col_block * kTile;
+  const int64_t c0 = tile_begin + lane * kVec;  // this lane's first channel
+  const int64_t plane = tile_begin / p.part_dim;
+  const int64_t plane_col = c0 - plane * p.part_dim;
+
+  const char* x_lane = static_cast<const char*>(p.x) + c0 * kElemBytes;
+  const int64_t x_row_bytes = p.x_row_stride * kElemBytes;
+  char* out_lane =
+      static_cast<char*>(p.out) + (plane * p.out_plane_stride + plane_col) * kElemBytes;
+  const int64_t out_row_bytes = p.part_dim * kElemBytes;
+
+  // Rows of this chunk: at most 256, so 32-bit row counters suffice.
+  const int rows = static_cast<int>(pc.end - pc.begin);
+  const int64_t len = pc.seq_end - pc.seq_begin;  // >= rows >= 1
+
+  // Start-up, in an order that overlaps the latencies while keeping few registers live: the x
+  // rows that seed the history (chunk 0: the sequence's last 3 rows, for the new state; later
+  // chunks: the 3 rows before the chunk, inside the sequence because chunks are >= 8 tokens),
+  // then the taps and the old state through the staging area, then the new state, and only
+  // then the row queue of the main loop.
+  Row seed1{}, seed2{}, seed3{};
+  const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
+  seed1 = ops.template load_x<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
+  if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
+  if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
+
+  // This warp's staging area: the 4 taps in rows 0..3, the state's 3 columns in rows 4..6.
+  float* const stage_taps = ops.stage();
+  float* const stage_state = stage_taps + 4 * Taps::kPitch;
+
+  Taps::template gather<true>(ops, stage_taps, p.weight + tile_begin * p.weight_stride_dim,
+                              p.weight_stride_dim, p.weight_stride_tap, lane);
+
+  float* const state_tile =
+      p.conv_states + line * p.state_stride_line + tile_begin * p.state_stride_dim;
+  const bool has_initial_state = pc.chunk == 0 && p.has_initial_state != nullptr &&
+                                 ops.load_flag(p.has_initial_state + pc.seq);
+  if (has_initial_state) {
+    State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
+                                  p.state_stride_tap, lane);
+  }
+  ops.syncwarp();
+
+  float w0[kVec], w1[kVec], w2[kVec], w3[kVec], acc0[kVec];
+  Taps::read_lane(ops, stage_taps, 0, lane, w0);
+  Taps::read_lane(ops, stage_taps, 1, lane, w1);
+  Taps::read_lane(ops, stage_taps, 2, lane, w2);
+  Taps::read_lane(ops, stage_taps, 3, lane, w3);
+  // Without a bias acc0 is the constant +0.0f, which costs no registers.
+  KDA_UNROLL
+  for (int v = 0; v < kVec; ++v) acc0[v] = kHasBias ? ops.load_ro(p.bias + c0 + v) : 0.0f;
+
+  // h1 = token t-1 (the most recent), h2 = t-2, h3 = t-3. Chunk 0 starts from the state
+  // (column 2 is the most recent, column 0 the oldest) or from zeros.
+  float h1[kVec], h2[kVec], h3[kVec];
+  if (pc.chunk == 0) {
+    if (has_initial_state) {
+      State::read_lane(ops, stage_state, 0, lane, h3);
+      State::read_lane(ops, stage_state, 1, lane, h2);
+      State::read_lane(ops, stage_state, 2, lane, h1);
+    } else {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; ++v) h1[v] = h2[v] = h3[v] = 0.0f;
+    }
+    // The new state is the last 3 entries of (old history, the sequence's tokens): the last
+    // 3 tokens when len >= 3; for 1 or 2 tokens the old history shifted left with the tokens
+    // appended. It is written now, so nothing of it stays live through the main loop. Every
+    // read of the old state happened above, and only chunk 0 of a sequence touches its line.
+    float n1[kVec], n2[kVec], n3[kVec];
+    row_to_f32<Traits>(ops, seed1, n1);
+    if (len >= 2) {
+      row_to_f32<Traits>(ops, seed2, n2);
+    } else {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; ++v) n2[v] = h1[v];
+    }
+    if (len >= 3) {
+      row_to_f32<Traits>(ops, seed3, n3);
+    } else {
+      KDA_UNROLL
+      for (int v = 0; v < kVec; ++v) n3[v] = len == 2 ? h1[v] : h2[v];
+    }
+    ops.syncwarp();  // every lane has read the old state before it is overwritten
+    State::write_lane(ops, stage_state, 0, lane, n3);
+    State::write_lane(ops, stage_state, 1, lane, n2);
+    State::write_lane(ops, stage_state, 2, lane, n1);
+    ops.syncwarp();
+    State::scatter(ops, state_tile, p.state_stride_dim, p.state_stride_tap, stage_state, lane);
+  } else {
+    row_to_f32<Traits>(ops, seed1, h1);
+    row_to_f32<Traits>(ops, seed2, h2);
+    row_to_f32<Traits>(ops, seed3, h3);
+  }
+
+  // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
+  // r + kQueue; load_ptr always points at row r + kQueue.
+  Row queue[kQueue];
+  const char* load_ptr = x_lane + pc.begin * x_row_bytes;
+  KDA_UNROLL
+  for (int i = 0; i < kQueue; ++i) {
+    if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+    load_ptr += x_row_bytes;
+  }
+  char* store_ptr = out_lane + pc.begin * out_row_bytes;
+  for (int r0 = 0; r0 < rows; r0 += kQueue) {
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) {
+      const int r = r0 + i;
+      if (r < rows) {
+        const Row cur = queue[i];
+        if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+        load_ptr += x_row_bytes;
+        Row y;
+        KDA_UNROLL
+        for (int v = 0; v < kVec; ++v) {
+          const float x0 = element_f32<Traits>(ops, cur, v);
+          float acc = conv4_tap_fma(h3[v], h2[v], h1[v], x0, w0[v], w1[v], w2[v], w3[v], acc0[v]);
+          if constexpr (kSilu) acc = ops.silu(acc);
+          set_element<Traits>(ops, y, v, acc);
+          h3[v] = h2[v];
+          h2[v] = h1[v];
+          h1[v] = x0;
+        }
+        ops.template store_out<kBytes>(store_ptr, y);
+        store_ptr += out_row_bytes;
+      }
+    }
+  }
+}
+
+}  // namespace kda::conv
