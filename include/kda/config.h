@@ -30,6 +30,11 @@ enum class CaptureMode {
   Lazy,   // capture a graph the first time a batch needs it
 };
 
+enum class LayerSteps {
+  Full,        // the whole KDA layer: in_proj, conv, gates, recurrence, gated RMSNorm, o_proj
+  InProjConv,  // in_proj GEMM and packed conv only (plus user steps): the conv planes are the output
+};
+
 struct RuntimeConfig {
   std::vector<int64_t> token_buckets;   // graph keys, strictly increasing      (runtime.token_buckets)
   int64_t max_seqs = 256;               // sequences per batch                  (runtime.max_seqs)
@@ -37,6 +42,7 @@ struct RuntimeConfig {
                                         // batches (windows of the largest bucket) (runtime.max_batch_tokens)
   CaptureMode capture = CaptureMode::Lazy;  //                                  (runtime.capture: eager|lazy)
   bool use_graphs = true;               // false: run every step eagerly        (runtime.graphs)
+  LayerSteps layer_steps = LayerSteps::Full;  //                       (runtime.layer_steps: full|conv)
   int64_t num_layers = 1;               // KDA layers held by one module        (runtime.num_layers)
   int64_t gemm_workspace_bytes = 32ll << 20;  // cuBLASLt workspace            (runtime.gemm_workspace_mib)
 

@@ -4,8 +4,10 @@
 // the Config: activation buffers, the in_proj output, the three conv planes, per-layer conv-state
 // and recurrent-state pools, batch-metadata staging (pinned host + device) and the cuBLASLt
 // workspace. Per (token bucket, layer, window) it records the layer's steps (in_proj GEMM,
-// packed conv, then the steps added with add_step) into a CUDA graph, and replays it for every
-// batch that fits the bucket with the new query_start_loc, cache lines and flags.
+// packed conv, and with runtime.layer_steps: full the gate GEMMs, the gated delta-rule
+// recurrence, the gated RMSNorm and o_proj into output(); then the steps added with add_step)
+// into a CUDA graph, and replays it for every batch that fits the bucket with the new
+// query_start_loc, cache lines and flags.
 //
 // Threading: a module is driven from one host thread at a time and its work is ordered on the
 // stream given to begin_forward/run_layer; use one stream per module (the device-side metadata

@@ -263,7 +263,7 @@ void read_model(Reader& r, const Entry& section, ModelConfig& model) {
 void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
   const auto e = r.section(section.value, section.path, section.line,
                            {"token_buckets", "max_seqs", "max_batch_tokens", "capture", "graphs",
-                            "num_layers", "gemm_workspace_mib"});
+                            "layer_steps", "num_layers", "gemm_workspace_mib"});
   const Entry& buckets = r.require(e, "token_buckets", section.path, section.line);
   if (!buckets.value.IsSequence())
     r.fail(buckets.line, buckets.path,
@@ -289,6 +289,16 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
     }
   }
   if (const Entry* v = r.find(e, "graphs")) runtime.use_graphs = r.boolean(*v);
+  if (const Entry* v = r.find(e, "layer_steps")) {
+    const std::string steps = r.text(*v);
+    if (steps == "full") {
+      runtime.layer_steps = LayerSteps::Full;
+    } else if (steps == "conv") {
+      runtime.layer_steps = LayerSteps::InProjConv;
+    } else {
+      r.fail(v->line, v->path, str_cat("expected full or conv, got ", describe(v->value)));
+    }
+  }
   if (const Entry* v = r.find(e, "num_layers")) runtime.num_layers = r.integer(*v);
   if (const Entry* v = r.find(e, "gemm_workspace_mib")) {
     constexpr int64_t kMiB = int64_t{1} << 20;

@@ -15,6 +15,7 @@
 #include "conv/stock_conv.h"
 #include "graph_cache.h"
 #include "kda/prefill.h"
+#include "layer/kda_steps.h"
 #include "runtime/batch_plan.h"
 #include "runtime/inproj_gemm.h"
 #include "runtime/random_weights.h"
@@ -148,6 +149,10 @@ struct PrefillModule::Impl {
 
   // Device buffers.
   DeviceAlloc hidden, output, in_proj_out, planes, staging_dev, gemm_workspace, random_storage;
+  // Downstream-step scratch (runtime.layer_steps: full), largest-bucket rows, row stride P,
+  // shared by layers and windows like in_proj_out: g1 = f_a f_b^T, g2 = g_a g_b^T, the
+  // recurrence output o and the gated-RMSNorm output y.
+  DeviceAlloc g1_buf, g2_buf, o_buf, y_buf;
   std::vector<DeviceAlloc> conv_pools, rec_pools;
   // Host staging, double-buffered: staging_done[h] is recorded after the copy out of half h, so
   // refilling half h waits only for the copy two forwards back.
@@ -157,7 +162,8 @@ struct PrefillModule::Impl {
   PinnedAlloc padding_slot;  // one slot of an all-padding batch: every sequence empty
 
   detail::LtHandle lt;
-  std::unique_ptr<detail::GemmPlan> in_proj_gemm;
+  std::unique_ptr<detail::GemmPlan> in_proj_gemm, g1_gemm, g2_gemm, o_proj_gemm;
+  bool full_layer() const { return config.runtime.layer_steps == LayerSteps::Full; }
   detail::GraphCache graphs;
   detail::BatchValidator validator;
 
@@ -222,6 +228,13 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   // Planes (3, capacity, P) plus the tail that the last window's bucket rows of plane 2 reach.
   planes = DeviceAlloc(static_cast<std::size_t>((2 * capacity + padded_rows) * P) * 2, "conv planes");
   staging_dev = DeviceAlloc(static_cast<std::size_t>(windows_max) * staging.slot_bytes, "metadata staging");
+  if (full_layer()) {
+    const std::size_t scratch = static_cast<std::size_t>(B * P) * 2;
+    g1_buf = DeviceAlloc(scratch, "g1 (f_a f_b^T)");
+    g2_buf = DeviceAlloc(scratch, "g2 (g_a g_b^T)");
+    o_buf = DeviceAlloc(scratch, "recurrence output o");
+    y_buf = DeviceAlloc(scratch, "gated RMSNorm output y");
+  }
   gemm_workspace = DeviceAlloc(static_cast<std::size_t>(config.runtime.gemm_workspace_bytes), "cuBLASLt workspace");
   for (int l = 0; l < num_layers; ++l) {
     conv_pools.emplace_back(conv_pool_bytes, "conv-state pool");
@@ -237,7 +250,8 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
 
   // Zeroed so that pools start empty and no buffer ever holds uninitialised bits (the in_proj
   // output's pad columns [in_cols, in_stride) are never written by the GEMM).
-  for (const DeviceAlloc* a : {&hidden, &output, &in_proj_out, &planes, &staging_dev})
+  for (const DeviceAlloc* a : {&hidden, &output, &in_proj_out, &planes, &staging_dev, &g1_buf,
+                               &g2_buf, &o_buf, &y_buf})
     if (a->bytes()) KDA_CUDA_CHECK(fn, cudaMemset(a->get(), 0, a->bytes()));
   for (int l = 0; l < num_layers; ++l) {
     KDA_CUDA_CHECK(fn, cudaMemset(conv_pools[l].get(), 0, conv_pool_bytes));
@@ -255,8 +269,38 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   in_shape.align_a = windows_max > 1 ? pow2_alignment(static_cast<std::size_t>(B * D) * 2) : 256;
   in_shape.align_w = 16;
   in_shape.align_c = 256;
+  const auto workspace_bytes = static_cast<std::size_t>(config.runtime.gemm_workspace_bytes);
   in_proj_gemm = std::make_unique<detail::GemmPlan>(lt.get(), in_shape, config.runtime.token_buckets,
-                                                    static_cast<std::size_t>(config.runtime.gemm_workspace_bytes));
+                                                    workspace_bytes);
+  if (full_layer()) {
+    // g1 / g2 read the f_a / g_a columns of the in_proj output in place: their alignment is the
+    // column offset's (rows are 128-byte multiples apart, in_proj_stride being a multiple of 64).
+    const int64_t r = m.gate_rank;
+    detail::GemmShape gate;
+    gate.n = P;
+    gate.k = r;
+    gate.lda = in_stride;
+    gate.ldw = r;
+    gate.ldc = P;
+    gate.align_w = 16;
+    gate.align_c = 256;
+    gate.align_a = pow2_alignment(static_cast<std::size_t>(3 * P + H) * 2);
+    g1_gemm = std::make_unique<detail::GemmPlan>(lt.get(), gate, config.runtime.token_buckets, workspace_bytes);
+    gate.align_a = pow2_alignment(static_cast<std::size_t>(3 * P + H + r) * 2);
+    g2_gemm = std::make_unique<detail::GemmPlan>(lt.get(), gate, config.runtime.token_buckets, workspace_bytes);
+    // o_proj writes the window's rows of the output buffer.
+    detail::GemmShape out_shape;
+    out_shape.n = D;
+    out_shape.k = P;
+    out_shape.lda = P;
+    out_shape.ldw = P;
+    out_shape.ldc = D;
+    out_shape.align_a = 256;
+    out_shape.align_w = 16;
+    out_shape.align_c = windows_max > 1 ? pow2_alignment(static_cast<std::size_t>(B * D) * 2) : 256;
+    o_proj_gemm = std::make_unique<detail::GemmPlan>(lt.get(), out_shape, config.runtime.token_buckets,
+                                                     workspace_bytes);
+  }
 
   weights.assign(num_layers, LayerWeights{});
   has_weights.assign(num_layers, false);
@@ -348,6 +392,30 @@ void PrefillModule::Impl::build_builtin_steps() {
   // (2) packed conv of the Q|K|V columns into the window's plane rows, updating the conv pool.
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     packed_causal_conv1d(conv_args(ctx), stream);
+  });
+  if (!full_layer()) return;
+  // (3) the gate projections g1 = f_a f_b^T and g2 = g_a g_b^T, reading the in_proj output.
+  builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
+    const char* x = static_cast<const char*>(ctx.in_proj_out);
+    const int64_t f_a = 3 * P + H, g_a = f_a + config.model.gate_rank;
+    g1_gemm->run(ctx.bucket_tokens, x + f_a * 2, ctx.weights->f_b, g1_buf.get(), gemm_workspace.get(),
+                 gemm_workspace.bytes(), stream);
+    g2_gemm->run(ctx.bucket_tokens, x + g_a * 2, ctx.weights->g_b, g2_buf.get(), gemm_workspace.get(),
+                 gemm_workspace.bytes(), stream);
+  });
+  // (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the
+  // recurrent pool line read and written back.
+  builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
+    kda_prep_recurrence(prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P), stream);
+  });
+  // (6) gated RMSNorm per head.
+  builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
+    gated_rmsnorm(gated_rmsnorm_args_for_step(ctx, o_buf.get(), P, g2_buf.get(), P, y_buf.get(), P), stream);
+  });
+  // (7) o_proj into the window's rows of the output buffer.
+  builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
+    o_proj_gemm->run(ctx.bucket_tokens, y_buf.get(), ctx.weights->o_proj, ctx.out, gemm_workspace.get(),
+                     gemm_workspace.bytes(), stream);
   });
 }
 
@@ -450,18 +518,30 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
       {w.o_norm_weight, "o_norm_weight"}, {w.o_proj, "o_proj"}};
   for (const auto& [ptr, name] : required)
     KDA_CHECK(ptr != nullptr, fn, "layer ", layer, ": weights.", name, " is null");
-  KDA_CHECK(reinterpret_cast<uintptr_t>(w.in_proj) % 16 == 0, fn, "layer ", layer,
-            ": weights.in_proj must be 16-byte aligned (cuBLASLt operand), got ", w.in_proj);
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{w.in_proj, "in_proj"},
+                                  {w.f_b, "f_b"}, {w.g_b, "g_b"}, {w.o_proj, "o_proj"}})
+    KDA_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, fn, "layer ", layer, ": weights.", name,
+              " must be 16-byte aligned (cuBLASLt operand), got ", ptr);
   // The conv's can_implement for every bucket of window 0 (later windows differ only in
   // the output rows and staging slot, which the module owns).
   LayerWeights old = weights[layer];
   weights[layer] = w;
   for (int64_t bucket : config.runtime.token_buckets) {
     std::string why;
-    if (!packed_causal_conv1d_supported(conv_args(make_context(layer, 0, bucket, staging_dev.get())), &why)) {
+    const StepContext ctx = make_context(layer, 0, bucket, staging_dev.get());
+    const char* step = nullptr;
+    if (!packed_causal_conv1d_supported(conv_args(ctx), &why)) {
+      step = "the packed conv";
+    } else if (full_layer()) {
+      if (!kda_prep_recurrence_supported(prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P), &why))
+        step = "the recurrence";
+      else if (!gated_rmsnorm_supported(gated_rmsnorm_args_for_step(ctx, o_buf.get(), P, g2_buf.get(), P,
+                                                                    y_buf.get(), P), &why))
+        step = "the gated RMSNorm";
+    }
+    if (step) {
       weights[layer] = old;
-      KDA_FAIL(fn, "layer ", layer, ": the packed conv cannot run these weights (bucket ", bucket,
-               "): ", why);
+      KDA_FAIL(fn, "layer ", layer, ": ", step, " cannot run these weights (bucket ", bucket, "): ", why);
     }
   }
   const bool moved = !has_weights[layer] || std::memcmp(&old, &w, sizeof(LayerWeights)) != 0;
@@ -592,6 +672,9 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
   // Starting pools, the eager pass's planes (per layer) and pools.
   std::vector<DeviceAlloc> snap_conv, snap_rec, eager_conv, eager_rec, stock_conv;
   DeviceAlloc eager_planes(3 * plane_bytes * m.num_layers, "self_check eager planes");
+  // The layer output's real rows, per layer (runtime.layer_steps: full).
+  const std::size_t out_bytes = m.full_layer() ? static_cast<std::size_t>(T * m.D) * 2 : 0;
+  DeviceAlloc eager_out(out_bytes * m.num_layers, "self_check eager outputs");
   for (int l = 0; l < m.num_layers; ++l) {
     snap_conv.emplace_back(m.conv_pool_bytes, "self_check pool snapshot");
     snap_rec.emplace_back(m.rec_pool_bytes, "self_check pool snapshot");
@@ -616,6 +699,7 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
   for (int l = 0; l < m.num_layers; ++l) {
     for (int w = 0; w < nwin; ++w) m.run_window(l, w, Impl::Mode::Eager, stream);
     copy_planes(eager_planes.get() + 3 * plane_bytes * l);
+    copy(eager_out.get() + out_bytes * l, m.output.get(), out_bytes);
   }
   for (int l = 0; l < m.num_layers; ++l) {
     copy(eager_conv[l].get(), m.conv_pools[l].get(), m.conv_pool_bytes);
@@ -658,6 +742,10 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
         report.graph_vs_eager_diff_bits);
     add(str_cat("layer ", l, " planes (", T, " rows), packed conv vs stock"), popcount_diff(graph_h, stock_h),
         report.conv_vs_stock_diff_bits);
+    if (out_bytes)
+      add(str_cat("layer ", l, " output (", T, " rows), graph vs eager"),
+          popcount_diff(download(m.output.get(), out_bytes), download(eager_out.get() + out_bytes * l, out_bytes)),
+          report.graph_vs_eager_diff_bits);
   }
   for (int l = 0; l < m.num_layers; ++l) {
     const auto conv_g = download(m.conv_pools[l].get(), m.conv_pool_bytes);

@@ -170,6 +170,7 @@ TEST_CASE("absent optional keys take the defaults of config.h") {
   CHECK(c.runtime.batch_token_capacity() == 256);
   CHECK(c.runtime.capture == kda::CaptureMode::Lazy);
   CHECK(c.runtime.use_graphs);
+  CHECK(c.runtime.layer_steps == kda::LayerSteps::Full);
   CHECK(c.runtime.num_layers == 1);
   CHECK(c.runtime.gemm_workspace_bytes == 32ll << 20);
   CHECK(c.pools.null_line == 0);
@@ -183,6 +184,14 @@ TEST_CASE("values are read with their YAML types") {
           kda::CaptureMode::Lazy);
     CHECK(kda::parse_config(minimal_with("runtime", "capture: \"eager\"")).runtime.capture ==
           kda::CaptureMode::Eager);
+  }
+  SUBCASE("layer steps") {
+    CHECK(kda::parse_config(minimal_with("runtime", "layer_steps: conv")).runtime.layer_steps ==
+          kda::LayerSteps::InProjConv);
+    CHECK(kda::parse_config(minimal_with("runtime", "layer_steps: full")).runtime.layer_steps ==
+          kda::LayerSteps::Full);
+    CHECK(parse_error(minimal_with("runtime", "layer_steps: half")) ==
+          "x.yaml:5: runtime.layer_steps: expected full or conv, got \"half\"");
   }
   SUBCASE("graphs switch") {
     CHECK_FALSE(kda::parse_config(minimal_with("runtime", "graphs: false")).runtime.use_graphs);
@@ -304,7 +313,7 @@ TEST_CASE("unknown keys are rejected with the keys that are allowed") {
   SUBCASE("a key far from any known one gets no suggestion") {
     const std::string message = parse_error(minimal_with("runtime", "streams: 4"));
     CHECK(message.find("x.yaml:5: runtime.streams: unknown key; expected one of token_buckets, "
-                       "max_seqs, max_batch_tokens, capture, graphs, num_layers, "
+                       "max_seqs, max_batch_tokens, capture, graphs, layer_steps, num_layers, "
                        "gemm_workspace_mib") == 0);
     CHECK(message.find("did you mean") == std::string::npos);
   }

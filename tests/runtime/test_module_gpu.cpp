@@ -229,6 +229,15 @@ std::vector<unsigned char> rec_pool(PrefillModule& m, int layer, cudaStream_t s)
 int64_t module_diff_bits(PrefillModule& a, PrefillModule& b, int64_t T, cudaStream_t s, bool with_recurrent = true) {
   const Dims d = dims(a.config());
   int64_t bits = plane_rows_diff(planes_of(a, s), planes_of(b, s), d, T);
+  if (a.config().runtime.layer_steps == kda::LayerSteps::Full) {
+    // The layer output's real rows (every layer writes the same output buffer: the last one's).
+    const std::size_t out_bytes = static_cast<std::size_t>(T * a.config().model.hidden_size) * 2;
+    std::vector<unsigned char> oa(out_bytes), ob(out_bytes);
+    KDA_TEST_CUDA(cudaMemcpyAsync(oa.data(), a.output(), out_bytes, cudaMemcpyDeviceToHost, s));
+    KDA_TEST_CUDA(cudaMemcpyAsync(ob.data(), b.output(), out_bytes, cudaMemcpyDeviceToHost, s));
+    KDA_TEST_CUDA(cudaStreamSynchronize(s));
+    bits += diff_bits(oa.data(), ob.data(), out_bytes);
+  }
   for (int l = 0; l < static_cast<int>(a.config().runtime.num_layers); ++l) {
     const auto ca = conv_pool(a, l, s), cb = conv_pool(b, l, s);
     bits += diff_bits(ca.data(), cb.data(), ca.size());
