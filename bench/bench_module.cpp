@@ -27,7 +27,7 @@ void ok(cudaError_t e, const char* what) {
 }
 
 struct Row {
-  std::string config;
+  std::string config, steps;
   int64_t bucket = 0, tokens = 0, seqs = 0, layers = 0;
   double graph_gpu_us = 0, eager_gpu_us = 0, graph_wall_us = 0, eager_wall_us = 0;
   double host_run_us = 0;  // host time of one run() call (all layers), graph mode
@@ -90,8 +90,13 @@ int main(int argc, char** argv) {
   try {
     cudaStream_t s;
     ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    for (const auto& path : configs) {
+    for (const auto& path : configs)
+    for (kda::LayerSteps steps : {kda::LayerSteps::InProjConv, kda::LayerSteps::Full}) {
       kda::Config cfg = kda::load_config(path);
+      cfg.runtime.layer_steps = steps;
+      const char* steps_name = steps == kda::LayerSteps::Full ? "full" : "conv";
+      // The whole layer (token-by-token recurrence) runs ms per forward: fewer repetitions.
+      const int n = steps == kda::LayerSteps::Full ? std::max(1, iters / 5) : iters;
       kda::PrefillModule m(cfg);
       m.init_random_weights(7);
       {
@@ -121,14 +126,15 @@ int main(int argc, char** argv) {
 
         Row r;
         r.config = path;
+        r.steps = steps_name;
         r.bucket = bucket;
         r.tokens = bucket;
         r.seqs = seqs;
         r.layers = cfg.runtime.num_layers;
         m.set_eager(false);
-        Measured g = measure(m, b, iters, s);
+        Measured g = measure(m, b, n, s);
         m.set_eager(true);
-        Measured e = measure(m, b, iters, s);
+        Measured e = measure(m, b, n, s);
         m.set_eager(false);
         r.graph_gpu_us = g.gpu_us;
         r.graph_wall_us = g.wall_us;
@@ -136,7 +142,8 @@ int main(int argc, char** argv) {
         r.eager_gpu_us = e.gpu_us;
         r.eager_wall_us = e.wall_us;
         rows.push_back(r);
-        std::fprintf(stderr, "  %s bucket %lld done\n", path.c_str(), (long long)bucket);
+        std::fprintf(stderr, "  %s %s bucket %lld: graph %.1f us, eager %.1f us GPU\n", path.c_str(),
+                     steps_name, (long long)bucket, g.gpu_us, e.gpu_us);
       }
     }
     cudaStreamDestroy(s);
@@ -146,14 +153,14 @@ int main(int argc, char** argv) {
   }
 
   std::string table =
-      "| config | tokens | seqs | layers | graph GPU us | eager GPU us | graph wall us | eager wall us "
+      "| config | steps | tokens | seqs | layers | graph GPU us | eager GPU us | graph wall us | eager wall us "
       "| eager/graph wall | host us per run() | host us per layer |\n"
-      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
   char line[512];
   for (const auto& r : rows) {
     std::snprintf(line, sizeof line,
-                  "| %s | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f |\n",
-                  r.config.c_str(), (long long)r.tokens, (long long)r.seqs, (long long)r.layers,
+                  "| %s | %s | %lld | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.2f | %.1f | %.1f |\n",
+                  r.config.c_str(), r.steps.c_str(), (long long)r.tokens, (long long)r.seqs, (long long)r.layers,
                   r.graph_gpu_us, r.eager_gpu_us, r.graph_wall_us, r.eager_wall_us,
                   r.eager_wall_us / r.graph_wall_us, r.host_run_us, r.host_run_us / r.layers);
     table += line;
