@@ -47,7 +47,9 @@ struct PackedConvArgs {
   int64_t out_plane_stride = 0;                           // elements between planes; 0: num_tokens * part_dim
 };
 
-// num_tokens and num_seqs are capacities: the grid depends only on them and on dim/part_dim.
+// num_tokens and num_seqs are capacities: the grid depends only on them and on dim/part_dim
+// (and on x_dtype and the alignment of x and out, which pick the vector width; a captured
+// graph fixes all of these), never on the contents of query_start_loc.
 // Sequences past the real ones have zero length (repeated query_start_loc values), so one
 // captured launch serves every batch that fits. A sequence whose cache index equals
 // null_block_id, or lies outside [0, num_cache_lines), is skipped: it writes no output and
