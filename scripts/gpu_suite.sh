@@ -30,7 +30,7 @@ for stage in "${stages[@]}"; do
       fi
       ;;
     test)
-      KDA_REQUIRE_GPU=1 BUILD_DIR="$build" bash scripts/run_tests.sh > "$OUT/tests.log" 2>&1
+      KDA_REQUIRE_GPU=1 BUILD_DIR="$build" timeout "${TEST_TIMEOUT:-400}" bash scripts/run_tests.sh > "$OUT/tests.log" 2>&1
       rc=$?
       cp "$build/meson-logs/testlog.txt" "$OUT/testlog.txt" 2>/dev/null
       grep -E "^(not ok|FAIL| *[0-9]+/[0-9]+ .*(FAIL|ERROR|TIMEOUT))" "$OUT/tests.log" | head -20
@@ -48,14 +48,14 @@ for stage in "${stages[@]}"; do
       done
       ;;
     bench)
-      "$build/bench/bench_conv" --out "$OUT/bench_conv.md" > "$OUT/bench.log" 2>&1
+      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_conv" --out "$OUT/bench_conv.md" > "$OUT/bench.log" 2>&1
       note "bench_conv rc $?"
-      "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
+      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
       note "bench_module rc $?"
       cat "$OUT/bench_conv.md" "$OUT/bench_module.md" 2>/dev/null
       ;;
     driver)
-      "$build/examples/prefill_driver" --config configs/default.yaml --check > "$OUT/driver.log" 2>&1
+      timeout "${DRIVER_TIMEOUT:-120}" "$build/examples/prefill_driver" --config configs/default.yaml --check > "$OUT/driver.log" 2>&1
       rc=$?
       tail -25 "$OUT/driver.log"
       note "driver --check rc $rc"
