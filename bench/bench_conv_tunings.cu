@@ -1,0 +1,256 @@
+// Sweep of the packed conv's launch shapes (kda::conv::launch_packed_conv with a forced
+// ConvTuning) against a device copy of the same bytes, at the seed scale (part_dim 1536 x 3,
+// in_proj row stride 4864, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). One run shows
+// which (vec, chunk_len, warps_per_cta) to make the default.
+//
+//   bench_conv_tunings [--quick]
+//
+// For each batch shape it prints the copy time, the default launch, the best tuning and every
+// tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
+// L2 holds none of them). Every tuning's output and state are compared bitwise with the
+// default launch's. Exits 2 without a usable GPU, 1 on a mismatch or an error, else 0.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "conv/conv_params.h"
+#include "kda/error.h"
+#include "kda/packed_conv.h"
+
+namespace {
+
+constexpr int64_t kPartDim = 1536;
+constexpr int64_t kDim = 3 * kPartDim;
+constexpr int64_t kRowStride = 4864;
+constexpr int64_t kRotateBytes = 256ll << 20;  // > 5 x the H200's 50 MB L2
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+#define BENCH_CUDA(expr) cuda_ok((expr), #expr)
+
+struct Shape {
+  int64_t tokens, seqs;
+};
+
+// One set of device buffers for a shape.
+struct BufferSet {
+  void* x = nullptr;
+  void* out = nullptr;
+  float* state = nullptr;
+  void* copy_dst = nullptr;
+  kda::PackedConvArgs args;
+};
+
+struct Batch {
+  void* weight = nullptr;
+  int32_t* qsl = nullptr;
+  int32_t* cache = nullptr;
+  bool* flags = nullptr;
+  std::vector<BufferSet> sets;
+  int64_t tokens = 0, seqs = 0, lines = 0;
+
+  ~Batch() {
+    cudaFree(weight);
+    cudaFree(qsl);
+    cudaFree(cache);
+    cudaFree(flags);
+    for (auto& s : sets) {
+      cudaFree(s.x);
+      cudaFree(s.out);
+      cudaFree(s.state);
+      cudaFree(s.copy_dst);
+    }
+  }
+};
+
+void make_batch(Batch& b, const Shape& shape, std::mt19937_64& rng) {
+  b.tokens = shape.tokens;
+  b.seqs = shape.seqs;
+  b.lines = shape.seqs + 1;  // line 0 is the null line
+  std::vector<int32_t> qsl(static_cast<std::size_t>(b.seqs + 1));
+  for (int64_t s = 0; s <= b.seqs; ++s) qsl[s] = static_cast<int32_t>(s * b.tokens / b.seqs);
+  std::vector<int32_t> cache(static_cast<std::size_t>(b.seqs));
+  std::vector<uint8_t> flags(static_cast<std::size_t>(b.seqs));
+  for (int64_t s = 0; s < b.seqs; ++s) {
+    cache[s] = static_cast<int32_t>(s + 1);
+    flags[s] = s % 2;
+  }
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> weight(static_cast<std::size_t>(kDim * 4));
+  for (auto& w : weight) w = normal(rng) * 0.5f;
+  BENCH_CUDA(cudaMalloc(&b.weight, weight.size() * 4));
+  BENCH_CUDA(cudaMemcpy(b.weight, weight.data(), weight.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMalloc(&b.qsl, qsl.size() * 4));
+  BENCH_CUDA(cudaMemcpy(b.qsl, qsl.data(), qsl.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMalloc(&b.cache, cache.size() * 4));
+  BENCH_CUDA(cudaMemcpy(b.cache, cache.data(), cache.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMalloc(&b.flags, flags.size()));
+  BENCH_CUDA(cudaMemcpy(b.flags, flags.data(), flags.size(), cudaMemcpyHostToDevice));
+
+  const int64_t x_bytes = b.tokens * kRowStride * 2;
+  const int64_t out_bytes = b.tokens * kDim * 2;
+  const int64_t state_bytes = b.lines * kDim * 3 * 4;
+  const int64_t set_bytes = x_bytes + out_bytes;
+  const int64_t num_sets = std::max<int64_t>(1, (kRotateBytes + set_bytes - 1) / set_bytes);
+  std::vector<__nv_bfloat16> x(static_cast<std::size_t>(b.tokens * kRowStride));
+  for (auto& e : x) e = __float2bfloat16_rn(normal(rng));
+  std::vector<float> state(static_cast<std::size_t>(b.lines * kDim * 3));
+  for (auto& e : state) e = normal(rng);
+  b.sets.resize(static_cast<std::size_t>(num_sets));
+  for (auto& s : b.sets) {
+    BENCH_CUDA(cudaMalloc(&s.x, x_bytes));
+    BENCH_CUDA(cudaMemcpy(s.x, x.data(), x_bytes, cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMalloc(&s.out, out_bytes));
+    BENCH_CUDA(cudaMalloc(&s.copy_dst, out_bytes));
+    BENCH_CUDA(cudaMalloc(&s.state, state_bytes));
+    BENCH_CUDA(cudaMemcpy(s.state, state.data(), state_bytes, cudaMemcpyHostToDevice));
+    kda::PackedConvArgs& a = s.args;
+    a.x = s.x;
+    a.x_dtype = kda::DType::BF16;
+    a.num_tokens = b.tokens;
+    a.dim = kDim;
+    a.x_row_stride = kRowStride;
+    a.weight = static_cast<const float*>(b.weight);
+    a.conv_states = s.state;
+    a.num_cache_lines = b.lines;
+    a.state_len = 3;
+    a.state_stride_line = kDim * 3;
+    a.state_stride_dim = 3;
+    a.state_stride_tap = 1;
+    a.query_start_loc = b.qsl;
+    a.num_seqs = b.seqs;
+    a.cache_indices = b.cache;
+    a.has_initial_state = b.flags;
+    a.part_dim = kPartDim;
+    a.silu = true;
+    a.null_block_id = 0;
+    a.out = s.out;
+  }
+}
+
+// Mean microseconds per call of `launch(set)` over `reps` back-to-back calls, rotating sets.
+template <typename Launch>
+double time_us(Batch& b, int reps, Launch&& launch) {
+  for (auto& s : b.sets) launch(s);  // warm-up
+  cudaEvent_t start, stop;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  BENCH_CUDA(cudaEventRecord(start));
+  for (int r = 0; r < reps; ++r) launch(b.sets[static_cast<std::size_t>(r) % b.sets.size()]);
+  BENCH_CUDA(cudaEventRecord(stop));
+  BENCH_CUDA(cudaEventSynchronize(stop));
+  float ms = 0;
+  BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 1000.0 * ms / reps;
+}
+
+std::vector<char> download(const void* p, int64_t bytes) {
+  std::vector<char> h(static_cast<std::size_t>(bytes));
+  BENCH_CUDA(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Output and state of set 0 after one launch from the initial state.
+std::pair<std::vector<char>, std::vector<char>> result_of(Batch& b, const std::vector<char>& state0,
+                                                          const kda::conv::ConvTuning& t) {
+  BufferSet& s = b.sets[0];
+  BENCH_CUDA(cudaMemcpy(s.state, state0.data(), state0.size(), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemset(s.out, 0xFF, b.tokens * kDim * 2));
+  kda::conv::launch_packed_conv(s.args, t, nullptr);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  return {download(s.out, b.tokens * kDim * 2), download(s.state, state0.size())};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      return 1;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("no usable CUDA device\n");
+    return 2;
+  }
+  try {
+    const std::vector<Shape> shapes = quick ? std::vector<Shape>{{2048, 1}, {16384, 256}}
+                                            : std::vector<Shape>{{2048, 1},   {4096, 64},
+                                                                 {8192, 1},   {16384, 1},
+                                                                 {16384, 256}, {65536, 4}};
+    std::vector<kda::conv::ConvTuning> tunings;
+    for (int vec : {4, 8, 2})
+      for (int chunk : {16, 32, 64, 128})
+        for (int warps : {1, 2, 4, 8}) tunings.push_back({vec, chunk, warps});
+    std::mt19937_64 rng(42);
+    bool mismatch = false;
+    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps) us | x copy | best us | x copy | best tuning |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+    std::string details;
+    for (const Shape& shape : shapes) {
+      Batch b;
+      make_batch(b, shape, rng);
+      const int reps = quick ? 20 : 100;
+      const double copy = time_us(b, reps, [&](BufferSet& s) {
+        BENCH_CUDA(cudaMemcpy2DAsync(s.copy_dst, kDim * 2, s.x, kRowStride * 2, kDim * 2,
+                                     static_cast<std::size_t>(b.tokens), cudaMemcpyDeviceToDevice));
+      });
+      const kda::conv::PackedConvParams def = kda::conv::make_params(b.sets[0].args);
+      const double def_us = time_us(b, reps, [&](BufferSet& s) {
+        kda::packed_causal_conv1d(s.args, nullptr);
+      });
+      const std::vector<char> state0 = download(b.sets[0].state, b.lines * kDim * 3 * 4);
+      const auto reference = result_of(b, state0, {});
+      double best = 1e30;
+      kda::conv::ConvTuning best_t{};
+      char line[256];
+      for (const auto& t : tunings) {
+        if (!kda::conv::check_tuning(b.sets[0].args, t).empty()) continue;
+        const double us = time_us(b, reps, [&](BufferSet& s) {
+          kda::conv::launch_packed_conv(s.args, t, nullptr);
+        });
+        const bool same = result_of(b, state0, t) == reference;
+        mismatch = mismatch || !same;
+        if (us < best) {
+          best = us;
+          best_t = t;
+        }
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d: %8.2f us (%.3f x copy)%s\n",
+                      static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
+                      t.vec, t.chunk_len, t.warps_per_cta, us, us / copy,
+                      same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
+        details += line;
+      }
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d |\n",
+                  static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
+                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def_us / copy, best,
+                  best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta);
+      std::fflush(stdout);
+    }
+    std::printf("\nAll tunings:\n%s", details.c_str());
+    if (mismatch) {
+      std::printf("\nFAILED: some tuning's output or state differs from the default launch\n");
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_conv_tunings: %s\n", e.what());
+    return 1;
+  }
+}
