@@ -75,13 +75,13 @@ void check_heads(int64_t part_dim, const char* function) {
             " is not a positive multiple of the head dim 128");
 }
 
-// C rows [i0, i1) of A[:, a_col0:+K] @ B^T, in blocks so that a (kNb x kKb) tile of B stays
-// in cache while the thread's rows pass over it. C must hold zeros on entry. Every element
-// sums its K blocks in order and each block in k order: the result is independent of how
-// rows are split.
+// C rows [i0, i1) of A[:, a_col0:+K] @ B^T, in blocks so that a (kNb x kKb) tile of B (256 KB,
+// an L2) stays in cache while the thread's rows pass over it. C must hold zeros on entry.
+// Every element sums its K blocks in order and each block in k order: the result is
+// independent of how rows are split.
 void matmul_rows(const Matrix& a, int64_t a_col0, int64_t k, const float* b, int64_t n,
                  int64_t ldb, Matrix& c, int64_t i0, int64_t i1) {
-  constexpr int64_t kNb = 64;
+  constexpr int64_t kNb = 256;
   constexpr int64_t kKb = 256;
   constexpr int kMr = 4, kNr = 4;  // register tile: 16 independent accumulators
   for (int64_t jb = 0; jb < n; jb += kNb) {

@@ -108,7 +108,7 @@ TEST_CASE("round_to_bf16 rounds to nearest even in one step from double") {
 
 TEST_CASE("matmul_nt matches a naive product and does not depend on the thread count") {
   std::mt19937_64 rng(11);
-  const int64_t m = 13, n = 70, k = 300, a_col0 = 5, ldb = 303;  // past the 64 x 256 blocking
+  const int64_t m = 13, n = 300, k = 300, a_col0 = 5, ldb = 303;  // past the 256 x 256 blocking
   Matrix a = random_matrix(rng, m, a_col0 + k + 2, -1, 1);
   std::vector<float> b = random_floats(rng, static_cast<size_t>(n * ldb), -1, 1);
   Matrix c1 = kda::ref::matmul_nt(a, a_col0, k, b.data(), n, ldb, 1);
