@@ -50,8 +50,6 @@ void validate(const PackedConvArgs& a) {
             a.num_tokens * a.part_dim);
   KDA_CHECK(a.query_start_loc != nullptr, kFn, "query_start_loc is null");
   if (a.num_seqs == 0) return;
-  KDA_CHECK(a.x && a.weight && a.conv_states && a.cache_indices && a.out, kFn,
-            "x, weight, conv_states, cache_indices and out must be non-null");
   KDA_CHECK(a.query_start_loc[0] >= 0, kFn, "query_start_loc[0] is ", a.query_start_loc[0],
             ", expected >= 0");
   for (int64_t s = 0; s < a.num_seqs; ++s)
@@ -59,6 +57,10 @@ void validate(const PackedConvArgs& a) {
               s + 1, ": ", a.query_start_loc[s], " then ", a.query_start_loc[s + 1]);
   KDA_CHECK(a.query_start_loc[a.num_seqs] <= a.num_tokens, kFn, "query_start_loc[", a.num_seqs,
             "] = ", a.query_start_loc[a.num_seqs], " exceeds num_tokens ", a.num_tokens);
+  // With no token rows every sequence is empty: nothing is read or written, as on the GPU.
+  if (a.num_tokens == 0) return;
+  KDA_CHECK(a.x && a.weight && a.conv_states && a.cache_indices && a.out, kFn,
+            "x, weight, conv_states, cache_indices and out must be non-null");
 }
 
 bool skipped(const PackedConvArgs& a, int32_t line) {
@@ -85,6 +87,7 @@ float conv_one(const PackedConvArgs& a, ConvMath math, int64_t channel, const fl
 
 void causal_conv1d(const PackedConvArgs& a, ConvMath math) {
   validate(a);
+  if (a.num_tokens == 0) return;
   const int64_t plane_stride = a.out_plane_stride ? a.out_plane_stride : a.num_tokens * a.part_dim;
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int64_t begin = a.query_start_loc[s];
