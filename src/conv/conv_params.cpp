@@ -43,10 +43,12 @@ int default_vec(const PackedConvArgs& args) {
 }
 
 int default_chunk_len(int64_t num_tokens, int64_t dim) {
-  const int64_t nominal_col_blocks = dim >= kNominalTile ? dim / kNominalTile : 1;
-  for (int chunk : {64, 32}) {
-    if ((num_tokens / chunk) * nominal_col_blocks >= kMinPrograms) return chunk;
-  }
+  // Measured on the H200 (bench_conv_tunings, docs/perf-notes.md): 16-token programs beat 32 and
+  // 64 at 2048 x 1 (18.9 vs 22.9 / 37.2 us) and at 16384 x 256 (109 vs 129 / 138 us). A program's
+  // fixed cost (radix search, first loads) is latency that more programs in flight hide better
+  // than longer streams do. Arguments kept for shape-dependent choices.
+  (void)num_tokens;
+  (void)dim;
   return 16;
 }
 

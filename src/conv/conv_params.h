@@ -63,12 +63,9 @@ struct PackedConvParams {
 // through ConvTuning. Narrower vectors give the same bits.
 int default_vec(const PackedConvArgs& args);
 
-// Tokens per program: the longest of 64, 32, 16 that still gives at least kMinPrograms
-// programs of real work, (num_tokens / C) * (dim / kNominalTile), so short batches spread over
-// the whole GPU (132 SMs x 24 warps on an H200); 16 when none does. It depends on capacities
-// and dim only, never on the pointer alignment that picks the vector width.
-constexpr int64_t kMinPrograms = 2048;
-constexpr int64_t kNominalTile = 128;
+// Tokens per program: 16, the fastest of 16/32/64/128 on the H200 at both 2048 x 1 and
+// 16384 x 256 (bench_conv_tunings). It may depend on capacities and dim only, never on the
+// pointer alignment that picks the vector width, so that a captured grid stays valid.
 int default_chunk_len(int64_t num_tokens, int64_t dim);
 
 constexpr int kDefaultWarpsPerCta = 4;

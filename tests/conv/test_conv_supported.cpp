@@ -302,14 +302,9 @@ TEST_CASE("the vector width follows part_dim and the alignment of x and out") {
   }
 }
 
-TEST_CASE("the chunk length keeps enough programs for short batches") {
-  CHECK(kda::conv::default_chunk_len(2048, 4608) == 32);
-  CHECK(kda::conv::default_chunk_len(4096, 4608) == 64);
-  CHECK(kda::conv::default_chunk_len(16384, 4608) == 64);
-  CHECK(kda::conv::default_chunk_len(2048, 1536) == 16);
-  CHECK(kda::conv::default_chunk_len(8192, 1536) == 32);
-  CHECK(kda::conv::default_chunk_len(1, 64) == 16);
-  CHECK(kda::conv::default_chunk_len(0, 4608) == 16);
+TEST_CASE("the default chunk length is the measured best, 16 tokens, at every shape") {
+  for (int64_t tokens : {0, 1, 2048, 4096, 16384, 65536})
+    for (int64_t dim : {64, 1536, 4608}) CHECK(kda::conv::default_chunk_len(tokens, dim) == 16);
 }
 
 TEST_CASE("make_params resolves the plane stride and sizes the grid from capacities") {
@@ -319,11 +314,11 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   CHECK(p.vec == 4);
   CHECK(p.tile == 128);
   CHECK(p.num_col_blocks == 36);
-  CHECK(p.chunk_shift == 5);
+  CHECK(p.chunk_shift == 4);
   CHECK(p.search_steps == 1);
   CHECK(p.search_stride == 1);
-  CHECK(p.programs_per_col_block == 2048 / 32 + 4);
-  CHECK(p.num_programs == (2048 / 32 + 4) * 36);
+  CHECK(p.programs_per_col_block == 2048 / 16 + 4);
+  CHECK(p.num_programs == (2048 / 16 + 4) * 36);
   CHECK(p.warps_per_cta == kda::conv::kDefaultWarpsPerCta);
   CHECK(p.num_ctas == (p.num_programs + 3) / 4);
   CHECK(p.has_null_block);
@@ -343,7 +338,7 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     const kda::conv::PackedConvParams q = kda::conv::make_params(a);
     CHECK(q.search_steps == 2);
     CHECK(q.search_stride == 32);
-    CHECK(q.programs_per_col_block == 2048 / 32 + 300);
+    CHECK(q.programs_per_col_block == 2048 / 16 + 300);
     CHECK(q.out_plane_stride == 8192 * 1536);
   }
   SUBCASE("no null block") {
