@@ -69,7 +69,11 @@ int main(int argc, char** argv) {
   // Seed scale: D 7168, P 1536, W_in 4876 (stride 4928); and an 8192^3 reference product.
   const std::vector<Shape> shapes = {
       {"in_proj 16384", 16384, 4876, 7168, 7168, 7168, 4928},
+      {"in_proj padded 4880, 16384", 16384, 4880, 7168, 7168, 7168, 4928},
+      {"in_proj padded 4928, 16384", 16384, 4928, 7168, 7168, 7168, 4928},
+      {"in_proj padded 4992, 16384", 16384, 4992, 7168, 7168, 7168, 4992},
       {"in_proj 2048", 2048, 4876, 7168, 7168, 7168, 4928},
+      {"in_proj padded 4928, 2048", 2048, 4928, 7168, 7168, 7168, 4928},
       {"o_proj 16384", 16384, 7168, 1536, 1536, 1536, 7168},
       {"square 8192", 8192, 8192, 8192, 8192, 8192, 8192},
   };
@@ -101,7 +105,7 @@ int main(int argc, char** argv) {
     int n = 0;
     cublasLtMatmulAlgoGetHeuristic(lt.get(), desc, lw, la, lc, lc, pref, 16, res, &n);
     const float alpha = 1.0f, beta = 0.0f;
-    for (int i = 0; i < n && i < 8; ++i) {
+    for (int i = 0; i < n && i < 4; ++i) {
       if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
       int32_t splitk = 1;
       std::size_t wr = 0;

@@ -53,7 +53,11 @@ struct BatchView {
 // Device weights of one layer, row-major, shapes as in docs/layer.md (P = H x 128, D hidden,
 // r gate rank). The module neither copies nor frees them: they must outlive its use of them.
 struct LayerWeights {
-  const void* in_proj = nullptr;        // (3P + H + 2r, D) bf16: rows q|k|v|b|f_a|g_a
+  const void* in_proj = nullptr;        // (in_proj_rows, D) bf16: rows q|k|v|b|f_a|g_a
+  // Rows of in_proj: 0 or in_proj_cols() (3P + H + 2r), or in_proj_stride() when the weight is
+  // padded with rows that are never read back (zeros, say). The padded width lets the in_proj
+  // GEMM run with N a multiple of 64 (docs/perf-notes.md has the measured difference).
+  int64_t in_proj_rows = 0;
   const float* conv_weight = nullptr;   // (3P, 4) fp32
   const void* f_b = nullptr;            // (P, r) bf16
   const void* g_b = nullptr;            // (P, r) bf16

@@ -162,7 +162,9 @@ struct PrefillModule::Impl {
   PinnedAlloc padding_slot;  // one slot of an all-padding batch: every sequence empty
 
   detail::LtHandle lt;
-  std::unique_ptr<detail::GemmPlan> in_proj_gemm, g1_gemm, g2_gemm, o_proj_gemm;
+  // in_proj over the unpadded width W_in, and over in_proj_stride for weights padded to it
+  // (LayerWeights::in_proj_rows); the same plan when the two widths agree.
+  std::unique_ptr<detail::GemmPlan> in_proj_gemm, in_proj_gemm_padded, g1_gemm, g2_gemm, o_proj_gemm;
   bool full_layer() const { return config.runtime.layer_steps == LayerSteps::Full; }
   detail::GraphCache graphs;
   detail::BatchValidator validator;
@@ -272,6 +274,11 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   const auto workspace_bytes = static_cast<std::size_t>(config.runtime.gemm_workspace_bytes);
   in_proj_gemm = std::make_unique<detail::GemmPlan>(lt.get(), in_shape, config.runtime.token_buckets,
                                                     workspace_bytes);
+  if (in_stride != in_cols) {
+    in_shape.n = in_stride;
+    in_proj_gemm_padded = std::make_unique<detail::GemmPlan>(lt.get(), in_shape, config.runtime.token_buckets,
+                                                             workspace_bytes);
+  }
   if (full_layer()) {
     // g1 / g2 read the f_a / g_a columns of the in_proj output in place: their alignment is the
     // column offset's (rows are 128-byte multiples apart, in_proj_stride being a multiple of 64).
@@ -386,8 +393,10 @@ PackedConvArgs PrefillModule::Impl::conv_args(const StepContext& ctx) const {
 void PrefillModule::Impl::build_builtin_steps() {
   // (1) in_proj: hidden rows [w*B, w*B + bucket) -> in_proj output rows [0, bucket).
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
-    in_proj_gemm->run(ctx.bucket_tokens, ctx.hidden, ctx.weights->in_proj, ctx.in_proj_out,
-                      gemm_workspace.get(), gemm_workspace.bytes(), stream);
+    const detail::GemmPlan& plan =
+        ctx.weights->in_proj_rows == in_stride && in_proj_gemm_padded ? *in_proj_gemm_padded : *in_proj_gemm;
+    plan.run(ctx.bucket_tokens, ctx.hidden, ctx.weights->in_proj, ctx.in_proj_out, gemm_workspace.get(),
+             gemm_workspace.bytes(), stream);
   });
   // (2) packed conv of the Q|K|V columns into the window's plane rows, updating the conv pool.
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
@@ -518,6 +527,9 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
       {w.o_norm_weight, "o_norm_weight"}, {w.o_proj, "o_proj"}};
   for (const auto& [ptr, name] : required)
     KDA_CHECK(ptr != nullptr, fn, "layer ", layer, ": weights.", name, " is null");
+  KDA_CHECK(w.in_proj_rows == 0 || w.in_proj_rows == in_cols || w.in_proj_rows == in_stride, fn,
+            "layer ", layer, ": weights.in_proj_rows is ", w.in_proj_rows, ", expected 0 or ", in_cols,
+            " (in_proj_cols) or ", in_stride, " (in_proj_stride, zero-padded rows)");
   for (const auto& [ptr, name] : {std::pair<const void*, const char*>{w.in_proj, "in_proj"},
                                   {w.f_b, "f_b"}, {w.g_b, "g_b"}, {w.o_proj, "o_proj"}})
     KDA_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, fn, "layer ", layer, ": weights.", name,

@@ -64,7 +64,7 @@ struct LayerTensorSizes {
 
 LayerTensorSizes layer_sizes(const ModelConfig& m) {
   const int64_t P = m.part_dim(), D = m.hidden_size, r = m.gate_rank;
-  return {m.in_proj_cols() * D, 3 * P * m.conv_width, P * r, P * r, m.num_heads, P, m.head_dim, D * P};
+  return {m.in_proj_stride() * D, 3 * P * m.conv_width, P * r, P * r, m.num_heads, P, m.head_dim, D * P};
 }
 
 }  // namespace
@@ -136,8 +136,13 @@ LayerWeights init_random_layer_weights(const ModelConfig& model, int layer, uint
   const float s_p = static_cast<float>(1.0 / std::sqrt(static_cast<double>(model.part_dim())));
 
   LayerWeights w;
+  // in_proj is padded to in_proj_stride rows of zeros (see LayerWeights::in_proj_rows).
   void* in_proj = carve(s.in_proj, 2);
-  fill(in_proj, DType::BF16, s.in_proj, 0, -s_d, s_d);
+  const int64_t in_proj_used = model.in_proj_cols() * model.hidden_size;
+  fill(in_proj, DType::BF16, in_proj_used, 0, -s_d, s_d);
+  KDA_CUDA_CHECK("kda::detail::init_random_layer_weights",
+                 cudaMemsetAsync(static_cast<char*>(in_proj) + in_proj_used * 2, 0,
+                                 static_cast<std::size_t>(s.in_proj - in_proj_used) * 2, stream));
   float* conv_weight = static_cast<float*>(carve(s.conv_weight, 4));
   fill(conv_weight, DType::FP32, s.conv_weight, 1, -0.5f, 0.5f);
   void* f_b = carve(s.f_b, 2);
@@ -154,6 +159,7 @@ LayerWeights init_random_layer_weights(const ModelConfig& model, int layer, uint
   fill(o_proj, DType::BF16, s.o_proj, 7, -s_p, s_p);
 
   w.in_proj = in_proj;
+  w.in_proj_rows = model.in_proj_stride();
   w.conv_weight = conv_weight;
   w.f_b = f_b;
   w.g_b = g_b;
