@@ -35,6 +35,11 @@ enum class LayerSteps {
   InProjConv,  // in_proj GEMM and packed conv only (plus user steps): the conv planes are the output
 };
 
+enum class Recurrence {
+  Chunked,       // 64-token chunks in the WY/UT form on tensor cores (kda_chunked): the fast path
+  TokenByToken,  // the spec's loop, one token at a time (kda_prep_recurrence): the reference path
+};
+
 struct RuntimeConfig {
   std::vector<int64_t> token_buckets;   // graph keys, strictly increasing      (runtime.token_buckets)
   int64_t max_seqs = 256;               // sequences per batch                  (runtime.max_seqs)
@@ -43,6 +48,7 @@ struct RuntimeConfig {
   CaptureMode capture = CaptureMode::Lazy;  //                                  (runtime.capture: eager|lazy)
   bool use_graphs = true;               // false: run every step eagerly        (runtime.graphs)
   LayerSteps layer_steps = LayerSteps::Full;  //                       (runtime.layer_steps: full|conv)
+  Recurrence recurrence = Recurrence::Chunked;  //                   (runtime.recurrence: chunked|token)
   int64_t num_layers = 1;               // KDA layers held by one module        (runtime.num_layers)
   int64_t gemm_workspace_bytes = 32ll << 20;  // cuBLASLt workspace            (runtime.gemm_workspace_mib)
 

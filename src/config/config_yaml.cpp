@@ -263,7 +263,7 @@ void read_model(Reader& r, const Entry& section, ModelConfig& model) {
 void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
   const auto e = r.section(section.value, section.path, section.line,
                            {"token_buckets", "max_seqs", "max_batch_tokens", "capture", "graphs",
-                            "layer_steps", "num_layers", "gemm_workspace_mib"});
+                            "layer_steps", "recurrence", "num_layers", "gemm_workspace_mib"});
   const Entry& buckets = r.require(e, "token_buckets", section.path, section.line);
   if (!buckets.value.IsSequence())
     r.fail(buckets.line, buckets.path,
@@ -289,6 +289,16 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
     }
   }
   if (const Entry* v = r.find(e, "graphs")) runtime.use_graphs = r.boolean(*v);
+  if (const Entry* v = r.find(e, "recurrence")) {
+    const std::string kind = r.text(*v);
+    if (kind == "chunked") {
+      runtime.recurrence = Recurrence::Chunked;
+    } else if (kind == "token") {
+      runtime.recurrence = Recurrence::TokenByToken;
+    } else {
+      r.fail(v->line, v->path, str_cat("expected chunked or token, got ", describe(v->value)));
+    }
+  }
   if (const Entry* v = r.find(e, "layer_steps")) {
     const std::string steps = r.text(*v);
     if (steps == "full") {

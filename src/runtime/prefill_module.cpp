@@ -15,6 +15,7 @@
 #include "conv/stock_conv.h"
 #include "graph_cache.h"
 #include "kda/prefill.h"
+#include "layer/kda_chunked.h"
 #include "layer/kda_steps.h"
 #include "runtime/batch_plan.h"
 #include "runtime/inproj_gemm.h"
@@ -153,6 +154,7 @@ struct PrefillModule::Impl {
   // shared by layers and windows like in_proj_out: g1 = f_a f_b^T, g2 = g_a g_b^T, the
   // recurrence output o and the gated-RMSNorm output y.
   DeviceAlloc g1_buf, g2_buf, o_buf, y_buf;
+  DeviceAlloc chunked_workspace;  // kda_chunked's per-chunk records (runtime.recurrence: chunked)
   std::vector<DeviceAlloc> conv_pools, rec_pools;
   // Host staging, double-buffered: staging_done[h] is recorded after the copy out of half h, so
   // refilling half h waits only for the copy two forwards back.
@@ -166,6 +168,7 @@ struct PrefillModule::Impl {
   // (LayerWeights::in_proj_rows); the same plan when the two widths agree.
   std::unique_ptr<detail::GemmPlan> in_proj_gemm, in_proj_gemm_padded, g1_gemm, g2_gemm, o_proj_gemm;
   bool full_layer() const { return config.runtime.layer_steps == LayerSteps::Full; }
+  bool chunked() const { return full_layer() && config.runtime.recurrence == Recurrence::Chunked; }
   detail::GraphCache graphs;
   detail::BatchValidator validator;
 
@@ -314,6 +317,15 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   weights_version.assign(num_layers, 0);
   windows.reserve(windows_max);
   next_windows.reserve(windows_max);
+  if (chunked()) {
+    // Sized for the largest bucket and max_seqs: the capacities every window's launch uses.
+    PrepRecurrenceArgs a;
+    a.num_heads = H;
+    a.head_dim = m.head_dim;
+    a.num_tokens = B;
+    a.max_seqs = config.runtime.max_seqs;
+    chunked_workspace = DeviceAlloc(kda_chunked_workspace_bytes(a), "chunked recurrence workspace");
+  }
   build_builtin_steps();
 }
 
@@ -415,7 +427,11 @@ void PrefillModule::Impl::build_builtin_steps() {
   // (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the
   // recurrent pool line read and written back.
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
-    kda_prep_recurrence(prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P), stream);
+    const PrepRecurrenceArgs args = prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P);
+    if (chunked())
+      kda_chunked(args, chunked_workspace.get(), chunked_workspace.bytes(), stream);
+    else
+      kda_prep_recurrence(args, stream);
   });
   // (6) gated RMSNorm per head.
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
@@ -545,7 +561,8 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
     if (!packed_causal_conv1d_supported(conv_args(ctx), &why)) {
       step = "the packed conv";
     } else if (full_layer()) {
-      if (!kda_prep_recurrence_supported(prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P), &why))
+      const PrepRecurrenceArgs rec = prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P);
+      if (chunked() ? !kda_chunked_supported(rec, &why) : !kda_prep_recurrence_supported(rec, &why))
         step = "the recurrence";
       else if (!gated_rmsnorm_supported(gated_rmsnorm_args_for_step(ctx, o_buf.get(), P, g2_buf.get(), P,
                                                                     y_buf.get(), P), &why))

@@ -171,6 +171,7 @@ TEST_CASE("absent optional keys take the defaults of config.h") {
   CHECK(c.runtime.capture == kda::CaptureMode::Lazy);
   CHECK(c.runtime.use_graphs);
   CHECK(c.runtime.layer_steps == kda::LayerSteps::Full);
+  CHECK(c.runtime.recurrence == kda::Recurrence::Chunked);
   CHECK(c.runtime.num_layers == 1);
   CHECK(c.runtime.gemm_workspace_bytes == 32ll << 20);
   CHECK(c.pools.null_line == 0);
@@ -184,6 +185,14 @@ TEST_CASE("values are read with their YAML types") {
           kda::CaptureMode::Lazy);
     CHECK(kda::parse_config(minimal_with("runtime", "capture: \"eager\"")).runtime.capture ==
           kda::CaptureMode::Eager);
+  }
+  SUBCASE("recurrence") {
+    CHECK(kda::parse_config(minimal_with("runtime", "recurrence: token")).runtime.recurrence ==
+          kda::Recurrence::TokenByToken);
+    CHECK(kda::parse_config(minimal_with("runtime", "recurrence: chunked")).runtime.recurrence ==
+          kda::Recurrence::Chunked);
+    CHECK(parse_error(minimal_with("runtime", "recurrence: fast")) ==
+          "x.yaml:5: runtime.recurrence: expected chunked or token, got \"fast\"");
   }
   SUBCASE("layer steps") {
     CHECK(kda::parse_config(minimal_with("runtime", "layer_steps: conv")).runtime.layer_steps ==
@@ -313,7 +322,7 @@ TEST_CASE("unknown keys are rejected with the keys that are allowed") {
   SUBCASE("a key far from any known one gets no suggestion") {
     const std::string message = parse_error(minimal_with("runtime", "streams: 4"));
     CHECK(message.find("x.yaml:5: runtime.streams: unknown key; expected one of token_buckets, "
-                       "max_seqs, max_batch_tokens, capture, graphs, layer_steps, num_layers, "
+                       "max_seqs, max_batch_tokens, capture, graphs, layer_steps, recurrence, num_layers, "
                        "gemm_workspace_mib") == 0);
     CHECK(message.find("did you mean") == std::string::npos);
   }

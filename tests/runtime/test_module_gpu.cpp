@@ -376,8 +376,11 @@ TEST_CASE("graph replays equal eager runs bitwise in every bucket, without re-ca
 TEST_CASE("a split batch equals the unsplit run on a module whose largest bucket holds it") {
   Stream stream;
   const cudaStream_t s = stream.get();
-  const kda::Config split_cfg = tiny_config();  // windows of 256 rows, up to 1024 tokens
-  kda::Config whole_cfg = tiny_config();
+  // The token-by-token recurrence makes the whole layer independent of window cuts, so all of
+  // it must match bitwise; the chunked one is checked within tolerance in the next test.
+  kda::Config split_cfg = tiny_config();  // windows of 256 rows, up to 1024 tokens
+  split_cfg.runtime.recurrence = kda::Recurrence::TokenByToken;
+  kda::Config whole_cfg = split_cfg;
   whole_cfg.runtime.token_buckets = {1024};
   whole_cfg.runtime.max_batch_tokens = 0;
   {
@@ -421,6 +424,66 @@ TEST_CASE("a split batch equals the unsplit run on a module whose largest bucket
   int max_window = 0;
   for (const auto& g : split->stats(s).graphs) max_window = std::max(max_window, g.window);
   CHECK(max_window >= 2);  // the batches really were split
+}
+
+// Relative Frobenius norm of a - b over bf16 (or fp32) elements; skips nothing.
+template <typename Load>
+double rel_frobenius(std::size_t n, Load load_a, Load load_b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double a = load_a(i), b = load_b(i);
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+TEST_CASE("with the chunked recurrence a split batch equals the unsplit run within tolerance") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  kda::Config split_cfg = tiny_config();
+  split_cfg.runtime.recurrence = kda::Recurrence::Chunked;
+  kda::Config whole_cfg = split_cfg;
+  whole_cfg.runtime.token_buckets = {1024};
+  whole_cfg.runtime.max_batch_tokens = 0;
+  auto split = make_module(split_cfg, 23);
+  auto whole = make_module(whole_cfg, 23);
+  const HostBatch b = make_batch({300, 1, 2, 250, 0, 200, 190}, {1, 2, 3, 4, 5, 6, 7},
+                                 {false, false, false, false, false, false, false});
+  const HostBatch c = make_batch({255, 1, 2, 300, 400}, {1, 2, 3, 4, 8}, {true, true, true, true, false});
+  uint64_t seed = 700;
+  for (const HostBatch* batch : {&b, &c}) {
+    for (PrefillModule* m : {split.get(), whole.get()}) fill_hidden(*m, batch->tokens(), seed, s);
+    ++seed;
+    split->run(batch->view(), s);
+    whole->run(batch->view(), s);
+    // Conv planes and conv states do not depend on the recurrence: still bitwise.
+    const Dims d = dims(split_cfg);
+    CHECK(plane_rows_diff(planes_of(*split, s), planes_of(*whole, s), d, batch->tokens()) == 0);
+    const int64_t D = split_cfg.model.hidden_size, T = batch->tokens();
+    std::vector<uint16_t> oa(T * D), ob(T * D);
+    KDA_TEST_CUDA(cudaMemcpy(oa.data(), split->output(), oa.size() * 2, cudaMemcpyDeviceToHost));
+    KDA_TEST_CUDA(cudaMemcpy(ob.data(), whole->output(), ob.size() * 2, cudaMemcpyDeviceToHost));
+    auto bf = [](const std::vector<uint16_t>& v) {
+      return [&v](std::size_t i) { return static_cast<double>(kda::host::bf16_to_float(v[i])); };
+    };
+    const double out_err = rel_frobenius(oa.size(), bf(oa), bf(ob));
+    double state_err = 0;
+    for (int l = 0; l < static_cast<int>(split_cfg.runtime.num_layers); ++l) {
+      const auto ra = rec_pool(*split, l, s), rb = rec_pool(*whole, l, s);
+      auto f32 = [](const std::vector<unsigned char>& v) {
+        return [&v](std::size_t i) {
+          float x;
+          std::memcpy(&x, v.data() + 4 * i, 4);
+          return static_cast<double>(x);
+        };
+      };
+      state_err = std::max(state_err, rel_frobenius(ra.size() / 4, f32(ra), f32(rb)));
+    }
+    MESSAGE("chunked, split vs unsplit: output ", out_err, ", recurrent states ", state_err);
+    CHECK(out_err <= 1e-2);
+    CHECK(state_err <= 5e-3);
+  }
 }
 
 TEST_CASE("the same batch gives the same planes in every bucket that holds it") {
