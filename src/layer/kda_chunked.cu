@@ -3,10 +3,11 @@
 // operations to the hardware (DeviceOps), defines the two kernels and the host launcher.
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 105 KB of shared memory (two blocks
-// per SM); phase 2 grid (max_seqs, H, 4) x 64 threads, 139 KB of shared memory (double-
+// per SM); phase 2 grid (max_seqs, H, 4) x 64 threads, 171 KB of shared memory (double-
 // buffered chunk records). Both grids depend on capacities only (CUDA graph safe).
-// Only sm_80+ instructions are used (mma.sync m16n8k16, ldmatrix, cp.async), identical in the
-// sm_90a SASS and the compute_90 PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
+// Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 and m16n8k8 tf32, ldmatrix,
+// cp.async, cvt.rna.tf32), identical in the sm_90a SASS and the compute_90 PTX, so no
+// __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -66,16 +67,21 @@ struct DeviceOps {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
   }
-  __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) const {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  }
+
   // d += a b (m16n8k16, bf16 in, fp32 accumulate).
   __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                       uint32_t b1) const {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // d += a b (m16n8k8, tf32 in, fp32 accumulate); tf32 operands as fp32 bit patterns.
+  __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                           uint32_t b1) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -136,6 +142,13 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<true>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(sizeof(PrepSmem))));
+  // Two prep blocks per SM need 2 x 106 KB: ask for the largest shared-memory carveout.
+  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<false>,
+                                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 cudaSharedmemCarveoutMaxShared));
+  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<true>,
+                                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 cudaSharedmemCarveoutMaxShared));
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_kernel,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  StateTraits::kSmemBytes));

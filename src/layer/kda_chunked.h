@@ -9,10 +9,12 @@
 //      (I + A) [W | Uv] = [k * exp(Gam) | v], and the products that need no state. It writes one
 //      record per (chunk slot, head) to the workspace.
 //   2. state, one block per (sequence, head, 32-column value slice): carries the state across
-//      the sequence's chunks in registers (fp32), O and the state update on tensor cores.
-// Results are close to, not equal to, kda_prep_recurrence's (different rounding order, bf16
-// tensor-core operands): about 3e-3 relative Frobenius error on o and on the final states
-// against the float64 reference (docs/perf-notes-kda-core.md).
+//      the sequence's chunks in registers (fp32), O on bf16 and the state update on tf32
+//      tensor cores.
+// Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
+// tensor-core operands): about 3e-3 relative Frobenius error on o (its own bf16 rounding is
+// 1.7e-3) and 3e-4 .. 8e-4 on the final states against the float64 reference
+// (docs/perf-notes-kda-core.md).
 //
 // The workspace is asked for up front (CUTLASS style) and depends only on capacities
 // (num_tokens, max_seqs, num_heads), never on the batch, so one allocation serves every
@@ -31,7 +33,8 @@ namespace kda {
 constexpr int64_t kKdaChunk = 64;
 
 // Bytes of workspace kda_chunked needs for these capacities:
-// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 90624 bytes. Reads no device memory.
+// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 107008 bytes. Reads no device
+// memory.
 // 0 when num_tokens or max_seqs is 0 (nothing to do).
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& args);
 

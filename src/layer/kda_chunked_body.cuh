@@ -27,19 +27,24 @@
 // in mma accumulator registers and walks the chunks in order; the chunk records are
 // double-buffered in shared memory with cp.async. In transposed form every A operand (S^T
 // and U^T) comes from registers (an m16n8 accumulator pair is an m16k16 A fragment) and every
-// B operand is a record tile read with ldmatrix.
+// B operand is a record tile in shared memory. U and O are bf16 products (B tiles read with
+// ldmatrix); the state update, whose operands set the precision of the carried state, is a
+// tf32 product (m16n8k8, B read as 8-byte pairs), which keeps the final state's error near
+// 3e-4 instead of 3e-3.
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, shuffles,
-// the radix search, ldmatrix, mma, cp.async); DeviceOps in kda_chunked.cu maps them to the
-// hardware instructions. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"),
-// with g = lane / 4 and t = lane % 4:
+// the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps in kda_chunked.cu
+// maps them to the hardware instructions. Fragment layouts (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and t = lane % 4:
 //   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
 //     a3 (g+8, 2t+8..)
 //   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
 //   C/D (16 x 8, fp32), 4 regs: c0, c1 (g, 2t, 2t+1), c2, c3 (g+8, 2t, 2t+1)
 // The lower-index element of a pair sits in the low 16 bits. ldmatrix x4: lanes 8m..8m+7
-// give the row addresses of 8 x 8 matrix m; r[m] receives (row g, columns 2t, 2t+1) of it,
-// or with .trans (rows 2t, 2t+1, column g).
+// give the row addresses of 8 x 8 matrix m; r[m] receives (row g, columns 2t, 2t+1) of it.
+// mma.sync m16n8k8 tf32 (one fp32 word per element):
+//   A (16 x 8): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
+//   B (8 x 8, k x n): b0 (k t, n g), b1 (k t+4, n g);  C/D as above.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -90,12 +95,15 @@ constexpr float kMinLogDecay = -128.0f;
 struct Record {
   static constexpr int kW = 0;                                 // bf16 [i][c]   64 x 128
   static constexpr int kQt = kW + kChunk * kHeadDim * 2;       // bf16 [i][c]   64 x 128
-  static constexpr int kKb = kQt + kChunk * kHeadDim * 2;      // bf16 [j][c]   64 x 128
-  static constexpr int kMp = kKb + kChunk * kHeadDim * 2;      // bf16 [i][j]   64 x 64
+  static constexpr int kKb = kQt + kChunk * kHeadDim * 2;      // tf32 [j/2][c][j%2] 64 x 128
+  static constexpr int kMp = kKb + kChunk * kHeadDim * 4;      // bf16 [i][j]   64 x 64
   static constexpr int kUvT = kMp + kChunk * kChunk * 2;       // fp32 [v][i]  128 x 64
   static constexpr int kGamma = kUvT + kHeadDim * kChunk * 4;  // fp32 [c]     128
   static constexpr int kBytes = kGamma + kHeadDim * 4;
-  static_assert(kBytes == 90624 && kBytes % 16 == 0, "record layout changed");
+  static_assert(kBytes == 107008 && kBytes % 16 == 0, "record layout changed");
+  // Kb' keeps tokens 2p and 2p + 1 of a channel next to each other (a tf32 B fragment's two
+  // registers), so element (j, c) is at float (j / 2) * 256 + 2 c + j % 2.
+  static constexpr int kKbPairFloats = 2 * kHeadDim;
 };
 
 // Kernel-facing copy of PrepRecurrenceArgs plus the derived launch facts.
@@ -179,6 +187,26 @@ __host__ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   uint32_t word;
   memcpy(&word, &v, 4);
   return word;
+}
+
+// Rounds to tf32 (10 explicit mantissa bits, to nearest, ties away from zero: cvt.rna) and
+// returns the fp32 bit pattern, low 13 bits zero, as the tf32 mma operand.
+__host__ __device__ __forceinline__ uint32_t tf32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+#else
+  uint32_t bits;
+  memcpy(&bits, &x, 4);
+  return (bits + 0x1000u) & 0xFFFFE000u;
+#endif
+}
+__host__ __device__ __forceinline__ float tf32_round(float x) {
+  const uint32_t bits = tf32_bits(x);
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
 }
 
 // The rows a sequence owns, clamped to [0, num_tokens) as kda_prep_recurrence does, and
@@ -296,7 +324,7 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParam
   unsigned char* rec = record_of(p, slot, head);
   __nv_bfloat16* rec_w = reinterpret_cast<__nv_bfloat16*>(rec + Record::kW);
   __nv_bfloat16* rec_qt = reinterpret_cast<__nv_bfloat16*>(rec + Record::kQt);
-  __nv_bfloat16* rec_kb = reinterpret_cast<__nv_bfloat16*>(rec + Record::kKb);
+  float* rec_kb = reinterpret_cast<float*>(rec + Record::kKb);
   __nv_bfloat16* rec_mp = reinterpret_cast<__nv_bfloat16*>(rec + Record::kMp);
   float* rec_uvt = reinterpret_cast<float*>(rec + Record::kUvT);
   float* rec_gamma = reinterpret_cast<float*>(rec + Record::kGamma);
@@ -391,8 +419,9 @@ KDA_UNROLL
     const float g0 = sm.G[i][c], g1 = sm.G[i][c + 1];
     const float gl0 = sm.G[kChunk - 1][c], gl1 = sm.G[kChunk - 1][c + 1];
     st_as<uint32_t>(rec_qt + i * kHeadDim + c, pack_bf16(q0 * exp2f(g0), q1 * exp2f(g1)));
-    st_as<uint32_t>(rec_kb + i * kHeadDim + c,
-                    pack_bf16(k0 * exp2f(gl0 - g0), k1 * exp2f(gl1 - g1)));
+    float* kb_at = rec_kb + (i >> 1) * Record::kKbPairFloats + 2 * c + (i & 1);
+    kb_at[0] = tf32_round(k0 * exp2f(gl0 - g0));
+    kb_at[2] = tf32_round(k1 * exp2f(gl1 - g1));
   }
   if (tid < kHeadDim) rec_gamma[tid] = exp2f(sm.G[kChunk - 1][tid]);
 
@@ -502,15 +531,18 @@ struct StateTraits {
   static constexpr int kRowsPerWarp = 16;                 // value rows of S^T per warp (m16)
   static constexpr int kColumns = kWarps * kRowsPerWarp;  // value columns per block
   static constexpr int kSlices = kHeadDim / kColumns;     // blocks per (sequence, head)
-  // Shared-memory stage: record tiles with padded rows (272 B / 144 B / 288 B: the 8 rows of
-  // every ldmatrix and the float2 reads of UvT fall in distinct banks).
-  static constexpr int kPitchTile = (kHeadDim + 8) * 2;  // bytes per W / Qt / Kb row
-  static constexpr int kPitchMp = (kChunk + 8) * 2;      // bytes per M' row
-  static constexpr int kPitchUv = (kChunk + 8) * 4;      // bytes per UvT row
+  // Shared-memory stage: record tiles with padded rows (272 B / 1056 B / 144 B / 288 B: the 8
+  // rows of every ldmatrix, the 8-byte Kb' pair reads of a half-warp and the float2 reads of
+  // UvT fall in distinct banks).
+  static constexpr int kPitchTile = (kHeadDim + 8) * 2;                   // bytes per W / Qt row
+  static constexpr int kPitchKbFloats = Record::kKbPairFloats + 8;        // floats per Kb' pair row
+  static constexpr int kPitchKb = kPitchKbFloats * 4;
+  static constexpr int kPitchMp = (kChunk + 8) * 2;                       // bytes per M' row
+  static constexpr int kPitchUv = (kChunk + 8) * 4;                       // bytes per UvT row
   static constexpr int kW = 0;
   static constexpr int kQt = kW + kChunk * kPitchTile;
   static constexpr int kKb = kQt + kChunk * kPitchTile;
-  static constexpr int kMp = kKb + kChunk * kPitchTile;
+  static constexpr int kMp = kKb + kChunk / 2 * kPitchKb;
   static constexpr int kUvT = kMp + kChunk * kPitchMp;
   static constexpr int kGamma = kUvT + kColumns * kPitchUv;
   static constexpr int kStageBytes = kGamma + kHeadDim * 4;
@@ -527,11 +559,17 @@ __host__ __device__ __forceinline__ void load_stage(Ops& ops, uint32_t stage,
                                                     int tid) {
   using T = StateTraits;
   constexpr int kTileChunks = kHeadDim * 2 / 16;  // 16-byte pieces per 128-channel bf16 row
-  for (int e = tid; e < 3 * kChunk * kTileChunks; e += T::kThreads) {
-    const int tile = e / (kChunk * kTileChunks);  // 0: W, 1: Qt, 2: Kb (consecutive in both)
+  for (int e = tid; e < 2 * kChunk * kTileChunks; e += T::kThreads) {
+    const int tile = e / (kChunk * kTileChunks);  // 0: W, 1: Qt (consecutive in both)
     const int row = (e / kTileChunks) % kChunk, piece = e % kTileChunks;
     ops.cp16(stage + T::kW + tile * kChunk * T::kPitchTile + row * T::kPitchTile + piece * 16,
              rec + Record::kW + tile * kChunk * kHeadDim * 2 + row * kHeadDim * 2 + piece * 16);
+  }
+  constexpr int kKbChunks = Record::kKbPairFloats * 4 / 16;
+  for (int e = tid; e < kChunk / 2 * kKbChunks; e += T::kThreads) {
+    const int row = e / kKbChunks, piece = e % kKbChunks;
+    ops.cp16(stage + T::kKb + row * T::kPitchKb + piece * 16,
+             rec + Record::kKb + row * Record::kKbPairFloats * 4 + piece * 16);
   }
   constexpr int kMpChunks = kChunk * 2 / 16;
   for (int e = tid; e < kChunk * kMpChunks; e += T::kThreads) {
@@ -594,9 +632,6 @@ KDA_UNROLL
   // r[3] those of n-tile 2np + 1.
   const uint32_t off_tile = (r8 + 8 * (m >> 1)) * T::kPitchTile + (m & 1) * 16;
   const uint32_t off_mp = (r8 + 8 * (m >> 1)) * T::kPitchMp + (m & 1) * 16;
-  // Transposed B tile Kb' stored [k = j][n = c]: matrix m covers rows j 8 (m & 1).. and
-  // columns c 8 (m >> 1)..; same register order.
-  const uint32_t off_kb = (r8 + 8 * (m & 1)) * T::kPitchTile + (m >> 1) * 16;
 
   load_stage(ops, smem_base, record_of(p, first, head), vbase, tid);
   ops.cp_commit();
@@ -661,6 +696,35 @@ KDA_UNROLL
       uf[ks][3] = pack_bf16(-ua[2 * ks + 1][2], -ua[2 * ks + 1][3]);
     }
 
+    // S^T = S0^T diag(gamma) + U^T Kb', in tf32: the carried state's accuracy is set by this
+    // product's operands (bf16 U and Kb' make it about 8 times larger). k-step s covers
+    // tokens [8 s, 8 s + 8). A product does not depend on the order of its k index, so the
+    // fragments' k = t and k = t + 4 stand for tokens 8 s + 2t and 8 s + 2t + 1, which is
+    // where the U^T accumulator ua[s] already holds them: a0 (row g, k t) = ua[s][0],
+    // a1 (row g+8, k t) = ua[s][2], a2 (row g, k t+4) = ua[s][1], a3 = ua[s][3]; and
+    // b0 (k t, n g), b1 (k t+4, n g) are Kb' at tokens 8 s + 2t, 8 s + 2t + 1 and channel
+    // 8 nt + g, one 8-byte pair of the stage's pair rows.
+KDA_UNROLL
+    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+      const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
+      st[nt][0] *= gm0;
+      st[nt][1] *= gm1;
+      st[nt][2] *= gm0;
+      st[nt][3] *= gm1;
+    }
+    const float* kb = reinterpret_cast<const float*>(stage_ptr + T::kKb);
+KDA_UNROLL
+    for (int ks = 0; ks < kChunk / 8; ++ks) {
+      const uint32_t a[4] = {tf32_bits(-ua[ks][0]), tf32_bits(-ua[ks][2]), tf32_bits(-ua[ks][1]),
+                             tf32_bits(-ua[ks][3])};
+      const float* pair_row = kb + (4 * ks + t) * T::kPitchKbFloats + 2 * g;
+KDA_UNROLL
+      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
+        const uint2 b = ld_as<uint2>(pair_row + 16 * nt);
+        ops.mma_tf32(st[nt], a, b.x, b.y);
+      }
+    }
+
     // oa += U^T M'^T over the token blocks ks <= np only (M' is zero above its diagonal).
 KDA_UNROLL
     for (int np = 0; np < kChunk / 16; ++np) {
@@ -684,26 +748,6 @@ KDA_UNROLL
       for (int r = 0; r < 4; ++r) {
         const int i = 8 * nt + 2 * t + (r & 1);
         if (i < rows) orow[i * p.o_stride + 8 * (r >> 1)] = __float2bfloat16_rn(oa[nt][r]);
-      }
-    }
-
-    // S^T = S0^T diag(gamma) + U^T Kb'.
-KDA_UNROLL
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
-      st[nt][0] *= gm0;
-      st[nt][1] *= gm1;
-      st[nt][2] *= gm0;
-      st[nt][3] *= gm1;
-    }
-KDA_UNROLL
-    for (int np = 0; np < kHeadDim / 16; ++np) {
-KDA_UNROLL
-      for (int ks = 0; ks < kChunk / 16; ++ks) {
-        uint32_t b[4];
-        ops.ldsm_x4_trans(b, stage + T::kKb + off_kb + ks * 16 * T::kPitchTile + np * 32);
-        ops.mma(st[2 * np], uf[ks], b[0], b[1]);
-        ops.mma(st[2 * np + 1], uf[ks], b[2], b[3]);
       }
     }
     ops.sync();  // everyone is done with this stage before it is refilled

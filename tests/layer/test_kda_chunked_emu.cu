@@ -1,9 +1,9 @@
 // The chunked KDA kernels' block bodies (src/layer/kda_chunked_body.cuh) executed on the CPU:
 // one std::thread per CUDA thread, barriers for __syncthreads, and the warp collectives
-// (shuffle, ldmatrix, mma.sync m16n8k16, cp.async) emulated from the PTX ISA's fragment
-// layouts. So the fragment index math, the record layout shared by the two phases, the
-// varlen map and the skip rules are checked without a GPU, on the very code the kernels run,
-// against the float64 reference (kda::ref::prep_recurrence).
+// (shuffle, ldmatrix, mma.sync m16n8k16 bf16 and m16n8k8 tf32, cp.async) emulated from the
+// PTX ISA's fragment layouts. So the fragment index math, the record layout shared by the two
+// phases, the varlen map and the skip rules are checked without a GPU, on the very code the
+// kernels run, against the float64 reference (kda::ref::prep_recurrence).
 // What this cannot check: the hardware's own behaviour (the layouts are taken from the PTX
 // ISA, as the kernels take them), timing, shared-memory limits and launch configuration.
 #include <doctest/doctest.h>
@@ -152,11 +152,7 @@ struct HostOps {
     if (in_smem(offset, 4)) std::memcpy(&w, blk->base() + offset, 4);
     return w;
   }
-  uint32_t load16(uint32_t offset) {
-    uint16_t h = 0;
-    if (in_smem(offset, 2)) std::memcpy(&h, blk->base() + offset, 2);
-    return h;
-  }
+
 
   // ldmatrix x4: lane 8m + i gives the address of row i of matrix m.
   void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -167,15 +163,7 @@ struct HostOps {
     const int g = lane() >> 2, t = lane() & 3;
     for (int m = 0; m < 4; ++m) r[m] = load32(s.u[8 * m + g][0] + 4 * t);
   }
-  void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    if (addr % 16 != 0) blk->error("ldmatrix row address not 16-byte aligned");
-    WarpSlot& s = slot();
-    s.u[lane()][0] = addr;
-    warp_wait();
-    const int g = lane() >> 2, t = lane() & 3;
-    for (int m = 0; m < 4; ++m)
-      r[m] = load16(s.u[8 * m + 2 * t][0] + 2 * g) | (load16(s.u[8 * m + 2 * t + 1][0] + 2 * g) << 16);
-  }
+
 
   // mma.sync m16n8k16 row.col bf16 -> fp32: every lane publishes its fragments, then computes
   // its own four outputs from the whole warp's.
@@ -199,6 +187,33 @@ struct HostOps {
       const int row = g + 8 * (r >> 1), n = 2 * t + (r & 1);
       float acc = 0.0f;
       for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, n);
+      d[r] += acc;
+    }
+  }
+
+  // mma.sync m16n8k8 row.col tf32 -> fp32; the hardware reads the upper 19 bits of each
+  // operand word.
+  void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    WarpSlot& s = slot();
+    for (int i = 0; i < 4; ++i) s.u[lane()][i] = a[i];
+    s.u[lane()][4] = b0;
+    s.u[lane()][5] = b1;
+    warp_wait();
+    auto tf = [](uint32_t word) {
+      const uint32_t bits = word & 0xFFFFE000u;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    };
+    // A(row, k): lane 4 (row % 8) + k % 4, register (row / 8) + 2 (k / 4).
+    auto A = [&](int row, int k) { return tf(s.u[4 * (row % 8) + k % 4][(row / 8) + 2 * (k / 4)]); };
+    // B(k, n): lane 4 n + k % 4, register 4 + k / 4.
+    auto B = [&](int k, int n) { return tf(s.u[4 * n + k % 4][4 + k / 4]); };
+    const int g = lane() >> 2, t = lane() & 3;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + 8 * (r >> 1), n = 2 * t + (r & 1);
+      float acc = 0.0f;
+      for (int k = 0; k < 8; ++k) acc += A(row, k) * B(k, n);
       d[r] += acc;
     }
   }
