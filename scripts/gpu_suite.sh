@@ -17,7 +17,6 @@ note() { summary+=("$1"); echo "== $1"; }
 for stage in "${stages[@]}"; do
   case "$stage" in
     info)
-      { nvidia-smi; nvcc --version; meson --version; } > "$OUT/info.txt" 2>&1
       note "info: $(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | head -1)"
       ;;
     build)
@@ -52,6 +51,10 @@ for stage in "${stages[@]}"; do
       note "bench_conv rc $?"
       timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
       note "bench_module rc $?"
+      { timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_gemm"; } >> "$OUT/bench.log" 2>&1
+      note "bench_gemm rc $?"
+      { timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_kda_core"; } >> "$OUT/bench.log" 2>&1
+      note "bench_kda_core rc $?"
       cat "$OUT/bench_conv.md" "$OUT/bench_module.md" 2>/dev/null
       ;;
     driver)
