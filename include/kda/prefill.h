@@ -40,6 +40,8 @@ namespace kda {
 
 // One forward's batch metadata, in host memory; not retained after begin_forward returns.
 // Sequence s owns rows [query_start_loc[s], query_start_loc[s+1]) of hidden_states().
+// A skipped sequence (on pools.null_line) writes no conv-plane row and touches no pool line;
+// its rows of output() hold unspecified values (o_proj runs over every bucket row).
 struct BatchView {
   const int32_t* query_start_loc = nullptr;  // num_seqs + 1 entries, [0] == 0, non-decreasing
   const int32_t* cache_indices = nullptr;    // num_seqs entries: the pool line of each sequence;
