@@ -38,12 +38,20 @@ for stage in "${stages[@]}"; do
     sanitize)
       sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)
       : > "$OUT/sanitize.log"
-      for t in "$build"/tests/test_*_gpu; do
-        for tool in memcheck racecheck; do
-          KDA_TEST_QUICK=1 timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$t" >> "$OUT/sanitize.log" 2>&1
+      # SANITIZE="tool:program ..." picks the runs (default: both tools on every GPU test program).
+      runs=${SANITIZE:-}
+      if [ -z "$runs" ]; then
+        for t in "$build"/tests/test_*_gpu; do runs="$runs memcheck:$(basename "$t") racecheck:$(basename "$t")"; done
+      fi
+      for run in $runs; do
+        tool=${run%%:*}
+        t="$build/tests/${run#*:}"
+        {
+          echo "---- $tool $(basename "$t")"
+          KDA_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-240}" "$sanitizer" --tool "$tool" --error-exitcode 3 "$t"
+        } >> "$OUT/sanitize.log" 2>&1
           rc=$?
           note "sanitize $tool $(basename "$t"): rc $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize.log" | tail -1)"
-        done
       done
       ;;
     bench)

@@ -299,9 +299,6 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, i
   // Malformed query_start_loc (negative, decreasing, past num_tokens) skips the sequence, so
   // no access leaves x or out. For a well-formed one these never trigger.
   if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return;
-  const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-  if (p.has_null_block && line == p.null_block_id) return;
-  if (line < 0 || line >= p.num_cache_lines) return;
 
   // The tile lies inside one plane because kTile divides part_dim.
   const int64_t tile_begin = col_block * kTile;
@@ -319,16 +316,31 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, i
   const int rows = static_cast<int>(pc.end - pc.begin);
   const int64_t len = pc.seq_end - pc.seq_begin;  // >= rows >= 1
 
-  // Start-up, in an order that overlaps the latencies while keeping few registers live: the x
-  // rows that seed the history (chunk 0: the sequence's last 3 rows, for the new state; later
-  // chunks: the 3 rows before the chunk, inside the sequence because chunks are >= 8 tokens),
-  // then the taps and the old state through the staging area, then the new state, and only
-  // then the row queue of the main loop.
+  // Start-up. Every x load depends only on the program map, so all of them are issued first:
+  // the rows that seed the history (chunk 0: the sequence's last 3 rows, for the new state;
+  // later chunks: the 3 rows before the chunk, inside the sequence because chunks are >= 8
+  // tokens) and the first kQueue rows of the main loop. The cache line, the taps and the old
+  // state load while those are in flight (a program's fixed latency is what limits short
+  // programs: docs/perf-notes.md). A skipped sequence's x loads are dropped unused.
   Row seed1{}, seed2{}, seed3{};
   const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
   seed1 = ops.template load_x<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
   if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
   if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
+
+  // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
+  // r + kQueue; load_ptr always points at row r + kQueue.
+  Row queue[kQueue];
+  const char* load_ptr = x_lane + pc.begin * x_row_bytes;
+  KDA_UNROLL
+  for (int i = 0; i < kQueue; ++i) {
+    if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+    load_ptr += x_row_bytes;
+  }
+
+  const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
+  if (p.has_null_block && line == p.null_block_id) return;
+  if (line < 0 || line >= p.num_cache_lines) return;
 
   // This warp's staging area: the 4 taps in rows 0..3, the state's 3 columns in rows 4..6.
   float* const stage_taps = ops.stage();
@@ -398,15 +410,6 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, i
     row_to_f32<Traits>(ops, seed3, h3);
   }
 
-  // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
-  // r + kQueue; load_ptr always points at row r + kQueue.
-  Row queue[kQueue];
-  const char* load_ptr = x_lane + pc.begin * x_row_bytes;
-  KDA_UNROLL
-  for (int i = 0; i < kQueue; ++i) {
-    if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
-    load_ptr += x_row_bytes;
-  }
   char* store_ptr = out_lane + pc.begin * out_row_bytes;
   for (int r0 = 0; r0 < rows; r0 += kQueue) {
     KDA_UNROLL
