@@ -219,6 +219,16 @@ class Reader {
     return node.Scalar();
   }
 
+  // A string naming one of two choices: `first` or `second` (the message lists both).
+  template <typename Enum>
+  Enum choice(const Entry& entry, const char* first, Enum first_value, const char* second,
+              Enum second_value) const {
+    const std::string word = text(entry);
+    if (word == first) return first_value;
+    if (word == second) return second_value;
+    fail(entry.line, entry.path, str_cat("expected ", first, " or ", second, ", got ", describe(entry.value)));
+  }
+
   Config& config() { return config_; }
 
  private:
@@ -278,37 +288,13 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
   }
   if (const Entry* v = r.find(e, "max_seqs")) runtime.max_seqs = r.integer(*v);
   if (const Entry* v = r.find(e, "max_batch_tokens")) runtime.max_batch_tokens = r.integer(*v);
-  if (const Entry* v = r.find(e, "capture")) {
-    const std::string mode = r.text(*v);
-    if (mode == "eager") {
-      runtime.capture = CaptureMode::Eager;
-    } else if (mode == "lazy") {
-      runtime.capture = CaptureMode::Lazy;
-    } else {
-      r.fail(v->line, v->path, str_cat("expected eager or lazy, got ", describe(v->value)));
-    }
-  }
+  if (const Entry* v = r.find(e, "capture"))
+    runtime.capture = r.choice(*v, "eager", CaptureMode::Eager, "lazy", CaptureMode::Lazy);
   if (const Entry* v = r.find(e, "graphs")) runtime.use_graphs = r.boolean(*v);
-  if (const Entry* v = r.find(e, "recurrence")) {
-    const std::string kind = r.text(*v);
-    if (kind == "chunked") {
-      runtime.recurrence = Recurrence::Chunked;
-    } else if (kind == "token") {
-      runtime.recurrence = Recurrence::TokenByToken;
-    } else {
-      r.fail(v->line, v->path, str_cat("expected chunked or token, got ", describe(v->value)));
-    }
-  }
-  if (const Entry* v = r.find(e, "layer_steps")) {
-    const std::string steps = r.text(*v);
-    if (steps == "full") {
-      runtime.layer_steps = LayerSteps::Full;
-    } else if (steps == "conv") {
-      runtime.layer_steps = LayerSteps::InProjConv;
-    } else {
-      r.fail(v->line, v->path, str_cat("expected full or conv, got ", describe(v->value)));
-    }
-  }
+  if (const Entry* v = r.find(e, "recurrence"))
+    runtime.recurrence = r.choice(*v, "chunked", Recurrence::Chunked, "token", Recurrence::TokenByToken);
+  if (const Entry* v = r.find(e, "layer_steps"))
+    runtime.layer_steps = r.choice(*v, "full", LayerSteps::Full, "conv", LayerSteps::InProjConv);
   if (const Entry* v = r.find(e, "num_layers")) runtime.num_layers = r.integer(*v);
   if (const Entry* v = r.find(e, "gemm_workspace_mib")) {
     constexpr int64_t kMiB = int64_t{1} << 20;
