@@ -150,6 +150,7 @@ struct PrefillModule::Impl {
 
   // Device buffers.
   DeviceAlloc hidden, output, in_proj_out, planes, staging_dev, gemm_workspace, random_storage;
+  std::vector<DeviceAlloc> uploaded_weights;  // per layer, for upload_layer_weights
   // Downstream-step scratch (runtime.layer_steps: full), largest-bucket rows, row stride P,
   // shared by layers and windows like in_proj_out: g1 = f_a f_b^T, g2 = g_a g_b^T, the
   // recurrence output o and the gated-RMSNorm output y.
@@ -620,6 +621,59 @@ void PrefillModule::init_random_weights(uint64_t seed) {
                                              nullptr);
   KDA_CUDA_CHECK(fn, cudaStreamSynchronize(nullptr));
   for (int l = 0; l < m.num_layers; ++l) m.set_weights(l, w[l], fn);
+}
+
+void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
+  constexpr const char* fn = "kda::PrefillModule::upload_layer_weights";
+  Impl& m = *impl_;
+  m.check_layer(layer, fn);
+  const ModelConfig& mc = m.config.model;
+  const int64_t rows = h.in_proj_rows ? h.in_proj_rows : m.in_cols;
+  KDA_CHECK(rows == m.in_cols || rows == m.in_stride, fn, "layer ", layer, ": in_proj_rows is ", h.in_proj_rows,
+            ", expected 0, ", m.in_cols, " or ", m.in_stride);
+  struct Tensor {
+    const void* host;
+    const char* name;
+    std::size_t bytes;
+  };
+  const int64_t r = mc.gate_rank;
+  const Tensor tensors[] = {
+      {h.in_proj, "in_proj", static_cast<std::size_t>(rows * m.D) * 2},
+      {h.conv_weight, "conv_weight", static_cast<std::size_t>(3 * m.P * 4) * 4},
+      {h.f_b, "f_b", static_cast<std::size_t>(m.P * r) * 2},
+      {h.g_b, "g_b", static_cast<std::size_t>(m.P * r) * 2},
+      {h.A_log, "A_log", static_cast<std::size_t>(m.H) * 4},
+      {h.dt_bias, "dt_bias", static_cast<std::size_t>(m.P) * 4},
+      {h.o_norm_weight, "o_norm_weight", static_cast<std::size_t>(mc.head_dim) * 2},
+      {h.o_proj, "o_proj", static_cast<std::size_t>(m.D * m.P) * 2},
+  };
+  std::size_t total = 0;
+  for (const Tensor& t : tensors) {
+    KDA_CHECK(t.host != nullptr, fn, "layer ", layer, ": host_weights.", t.name, " is null");
+    total += (t.bytes + 255) / 256 * 256;
+  }
+  if (m.uploaded_weights.empty()) m.uploaded_weights.resize(m.num_layers);
+  // A forward in flight may still read the storage being replaced or overwritten.
+  KDA_CUDA_CHECK(fn, cudaDeviceSynchronize());
+  if (m.uploaded_weights[layer].bytes() < total) m.uploaded_weights[layer] = DeviceAlloc(total, "uploaded weights");
+  char* dst = m.uploaded_weights[layer].get();
+  const void* dev[8];
+  for (int i = 0; i < 8; ++i) {
+    KDA_CUDA_CHECK(fn, cudaMemcpy(dst, tensors[i].host, tensors[i].bytes, cudaMemcpyHostToDevice));
+    dev[i] = dst;
+    dst += (tensors[i].bytes + 255) / 256 * 256;
+  }
+  LayerWeights w;
+  w.in_proj = dev[0];
+  w.in_proj_rows = rows;
+  w.conv_weight = static_cast<const float*>(dev[1]);
+  w.f_b = dev[2];
+  w.g_b = dev[3];
+  w.A_log = static_cast<const float*>(dev[4]);
+  w.dt_bias = static_cast<const float*>(dev[5]);
+  w.o_norm_weight = dev[6];
+  w.o_proj = dev[7];
+  m.set_weights(layer, w, fn);
 }
 
 const LayerWeights& PrefillModule::layer_weights(int layer) const {

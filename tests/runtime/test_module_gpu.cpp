@@ -699,6 +699,44 @@ TEST_CASE("layers need weights, and bad weights are refused without changing the
   CHECK_THROWS_AS(m.conv_state_pool(2), kda::Error);
 }
 
+TEST_CASE("weights uploaded from host arrays give the same bits as the same weights on the device") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  const kda::Config cfg = tiny_config();
+  auto dev = make_module(cfg, 61);
+  auto up = std::make_unique<PrefillModule>(cfg);
+  const kda::ModelConfig& mc = cfg.model;
+  const int64_t P = mc.part_dim(), D = mc.hidden_size, r = mc.gate_rank;
+  for (int l = 0; l < static_cast<int>(cfg.runtime.num_layers); ++l) {
+    const kda::LayerWeights& w = dev->layer_weights(l);
+    const int64_t rows = w.in_proj_rows ? w.in_proj_rows : mc.in_proj_cols();
+    auto host = [&](const void* p, std::size_t bytes) { return download(p, bytes, s); };
+    const auto in_proj = host(w.in_proj, rows * D * 2), conv = host(w.conv_weight, 3 * P * 4 * 4),
+               f_b = host(w.f_b, P * r * 2), g_b = host(w.g_b, P * r * 2), a_log = host(w.A_log, mc.num_heads * 4),
+               dt = host(w.dt_bias, P * 4), norm = host(w.o_norm_weight, mc.head_dim * 2), o = host(w.o_proj, D * P * 2);
+    kda::LayerWeights h;
+    h.in_proj = in_proj.data();
+    h.in_proj_rows = rows;
+    h.conv_weight = reinterpret_cast<const float*>(conv.data());
+    h.f_b = f_b.data();
+    h.g_b = g_b.data();
+    h.A_log = reinterpret_cast<const float*>(a_log.data());
+    h.dt_bias = reinterpret_cast<const float*>(dt.data());
+    h.o_norm_weight = norm.data();
+    h.o_proj = o.data();
+    kda::LayerWeights missing = h;
+    missing.f_b = nullptr;
+    CHECK_THROWS_WITH_AS(up->upload_layer_weights(l, missing), doctest::Contains("host_weights.f_b is null"),
+                         kda::Error);
+    up->upload_layer_weights(l, h);
+  }
+  const HostBatch b = make_batch({40, 1, 100}, {1, 2, 3}, {false, false, false});
+  for (PrefillModule* m : {dev.get(), up.get()}) fill_hidden(*m, b.tokens(), 5, s);
+  dev->run(b.view(), s);
+  up->run(b.view(), s);
+  CHECK(module_diff_bits(*dev, *up, b.tokens(), s) == 0);
+}
+
 TEST_CASE("random weights are deterministic per seed and follow their distributions") {
   const kda::Config cfg = tiny_config();
   auto a = make_module(cfg, 71), b = make_module(cfg, 71), c = make_module(cfg, 72);
