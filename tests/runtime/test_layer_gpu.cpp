@@ -150,9 +150,9 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
     }
   }
   const double out_err = rel_err(got, want), state_err = rel_err(sgot, swant);
-  MESSAGE("hidden ", D, ", ", H, " heads, ", T, " tokens, ",
-          cfg.runtime.recurrence == kda::Recurrence::Chunked ? "chunked" : "token-by-token",
-          mc.gate_lower_bound ? ", lower-bound gate" : ", softplus gate", ": output error ", out_err,
+  const std::string what = std::string(cfg.runtime.recurrence == kda::Recurrence::Chunked ? "chunked" : "token-by-token") +
+                           (mc.gate_lower_bound ? ", lower-bound gate" : ", softplus gate");
+  MESSAGE("hidden ", D, ", ", H, " heads, ", T, " tokens, ", what, ": output error ", out_err,
           ", final-state error ", state_err);
   CHECK(out_err <= 1e-2);
   CHECK(state_err <= 5e-3);
