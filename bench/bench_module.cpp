@@ -74,13 +74,15 @@ int main(int argc, char** argv) {
   std::vector<std::string> configs;
   std::string out_path;
   int iters = 50;
+  bool steps_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--config" && i + 1 < argc) configs.push_back(argv[++i]);
+    if (a == "--steps-only") steps_only = true;
+    else if (a == "--config" && i + 1 < argc) configs.push_back(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr, "usage: %s [--config FILE]... [--iters N] [--out FILE]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--config FILE]... [--iters N] [--steps-only] [--out FILE]\n", argv[0]);
       return 2;
     }
   }
@@ -96,7 +98,7 @@ int main(int argc, char** argv) {
   try {
     cudaStream_t s;
     ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-    for (const auto& path : configs)
+    for (const auto& path : steps_only ? std::vector<std::string>{} : configs)
     for (kda::LayerSteps steps : {kda::LayerSteps::InProjConv, kda::LayerSteps::Full}) {
       kda::Config cfg = kda::load_config(path);
       cfg.runtime.layer_steps = steps;
@@ -158,6 +160,60 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  // Per-step GPU time of one layer (eager, events between steps), whole-layer config.
+  std::string steps_table =
+      "| config | tokens x seqs | step | GPU us |\n| --- | --- | --- | ---: |\n";
+  try {
+    cudaStream_t s;
+    ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    for (const auto& path : configs) {
+      kda::Config cfg = kda::load_config(path);
+      cfg.runtime.layer_steps = kda::LayerSteps::Full;
+      kda::PrefillModule m(cfg);
+      m.init_random_weights(7);
+      std::vector<uint16_t> h(static_cast<size_t>(cfg.runtime.largest_bucket() * cfg.model.hidden_size));
+      uint64_t x = 5;
+      for (auto& v : h) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        v = kda::host::float_to_bf16(static_cast<float>((x >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f);
+      }
+      ok(cudaMemcpy(m.hidden_states(), h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload");
+      const int64_t cases[][2] = {{2048, 4}, {16384, 1}, {16384, 16}};
+      for (const auto& c : cases) {
+        const int64_t T = std::min(c[0], cfg.runtime.largest_bucket()), n = c[1];
+        std::vector<int32_t> qsl(1, 0), lines;
+        std::vector<uint8_t> flags;
+        for (int64_t i = 0; i < n; ++i) {
+          qsl.push_back(static_cast<int32_t>(T * (i + 1) / n));
+          lines.push_back(static_cast<int32_t>(i + 1 == cfg.pools.null_line ? i + 2 : i + 1));
+          flags.push_back(1);
+        }
+        kda::BatchView b{qsl.data(), lines.data(), reinterpret_cast<const bool*>(flags.data()), n};
+        m.profile_steps(b, 0, s);  // warm-up: module loads
+        const auto t = m.profile_steps(b, 0, s);
+        double total = 0;
+        char line[256];
+        for (const auto& st : t) {
+          total += st.gpu_us;
+          double extra = 0;
+          if (st.name == "in_proj GEMM")
+            extra = 2.0 * T * cfg.model.in_proj_cols() * cfg.model.hidden_size / (st.gpu_us * 1e6);
+          std::snprintf(line, sizeof line, "| %s | %lld x %lld | %s | %.1f%s |\n", path.c_str(), (long long)T,
+                        (long long)n, st.name.c_str(), st.gpu_us,
+                        extra > 0 ? (" (" + std::to_string(static_cast<int>(extra)) + " TFLOP/s)").c_str() : "");
+          steps_table += line;
+        }
+        std::snprintf(line, sizeof line, "| %s | %lld x %lld | **layer** | %.1f |\n", path.c_str(), (long long)T,
+                      (long long)n, total);
+        steps_table += line;
+      }
+    }
+    cudaStreamDestroy(s);
+  } catch (const kda::Error& e) {
+    std::fprintf(stderr, "bench_module: %s\n", e.what());
+    return 1;
+  }
+
   std::string table =
       "| config | steps | tokens | seqs | layers | graph GPU us | eager GPU us | graph wall us | eager wall us "
       "| eager/graph wall | host us per run() | host us per layer |\n"
@@ -171,7 +227,8 @@ int main(int argc, char** argv) {
                   r.eager_wall_us / r.graph_wall_us, r.host_run_us, r.host_run_us / r.layers);
     table += line;
   }
-  table += "\ntargets: host run() < 15 us per layer; at 2048 tokens graph wall >= 1.3x faster than eager\n";
+  table += "\ntargets: host run() < 15 us per layer; at 2048 tokens graph wall >= 1.3x faster than eager\n\n";
+  table += steps_table;
   std::fputs(table.c_str(), stdout);
   if (!out_path.empty()) {
     if (FILE* f = std::fopen(out_path.c_str(), "w")) {

@@ -114,6 +114,11 @@ struct ModuleStats {
   int64_t eager_layer_runs = 0;     // (layer, window) step lists launched eagerly, warm-ups included
 };
 
+struct StepTiming {
+  std::string name;   // "in_proj GEMM", "packed conv", ..., "user step 0"
+  double gpu_us = 0;  // summed over the batch's windows
+};
+
 struct SelfCheckReport {
   bool ok = true;
   int64_t graph_vs_eager_diff_bits = 0;  // planes, conv pool and recurrent pool, all layers
@@ -183,6 +188,11 @@ class PrefillModule {
   // (multi-window batches included). Graphs are recorded for the check even when graphs are
   // off. Every layer must have weights. A bad batch throws before anything runs.
   SelfCheckReport self_check(const BatchView& batch, Stream stream);
+
+  // Profiling: stages the batch, runs one layer's steps eagerly with CUDA events between them
+  // and returns each step's GPU time. Advances the pools like a run of that layer. Synchronises
+  // the stream.
+  std::vector<StepTiming> profile_steps(const BatchView& batch, int layer, Stream stream);
 
   // Synchronises the stream to read replay timings.
   ModuleStats stats(Stream stream) const;

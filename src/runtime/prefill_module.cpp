@@ -181,6 +181,7 @@ struct PrefillModule::Impl {
   uint64_t next_version = 1;
 
   std::vector<Step> builtin_steps, user_steps;
+  std::vector<const char*> builtin_names;  // one per built-in step, for profile_steps
   std::vector<detail::WindowPlan> windows, next_windows;
   bool batch_staged = false;
   bool forward_started = false;
@@ -409,6 +410,7 @@ PackedConvArgs PrefillModule::Impl::conv_args(const StepContext& ctx) const {
 // recurrence, gated RMSNorm, o_proj into ctx.out) are appended here; user steps run after all.
 void PrefillModule::Impl::build_builtin_steps() {
   // (1) in_proj: hidden rows [w*B, w*B + bucket) -> in_proj output rows [0, bucket).
+  builtin_names.push_back("in_proj GEMM");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     const detail::GemmPlan& plan =
         ctx.weights->in_proj_rows == in_stride && in_proj_gemm_padded ? *in_proj_gemm_padded : *in_proj_gemm;
@@ -416,11 +418,13 @@ void PrefillModule::Impl::build_builtin_steps() {
              gemm_workspace.bytes(), stream);
   });
   // (2) packed conv of the Q|K|V columns into the window's plane rows, updating the conv pool.
+  builtin_names.push_back("packed conv");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     packed_causal_conv1d(conv_args(ctx), stream);
   });
   if (!full_layer()) return;
   // (3) the gate projections g1 = f_a f_b^T and g2 = g_a g_b^T, reading the in_proj output.
+  builtin_names.push_back("gate GEMMs (g1, g2)");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     const char* x = static_cast<const char*>(ctx.in_proj_out);
     const int64_t f_a = 3 * P + H, g_a = f_a + config.model.gate_rank;
@@ -431,6 +435,7 @@ void PrefillModule::Impl::build_builtin_steps() {
   });
   // (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the
   // recurrent pool line read and written back.
+  builtin_names.push_back("prep + recurrence");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     const PrepRecurrenceArgs args = prep_recurrence_args_for_step(ctx, g1_buf.get(), P, o_buf.get(), P);
     if (chunked())
@@ -439,10 +444,12 @@ void PrefillModule::Impl::build_builtin_steps() {
       kda_prep_recurrence(args, stream);
   });
   // (6) gated RMSNorm per head.
+  builtin_names.push_back("gated RMSNorm");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     gated_rmsnorm(gated_rmsnorm_args_for_step(ctx, o_buf.get(), P, g2_buf.get(), P, y_buf.get(), P), stream);
   });
   // (7) o_proj into the window's rows of the output buffer.
+  builtin_names.push_back("o_proj GEMM");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     o_proj_gemm->run(ctx.bucket_tokens, y_buf.get(), ctx.weights->o_proj, ctx.out, gemm_workspace.get(),
                      gemm_workspace.bytes(), stream);
@@ -678,6 +685,43 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
   w.o_norm_weight = dev[6];
   w.o_proj = dev[7];
   m.set_weights(layer, w, fn);
+}
+
+std::vector<StepTiming> PrefillModule::profile_steps(const BatchView& batch, int layer, Stream stream) {
+  constexpr const char* fn = "kda::PrefillModule::profile_steps";
+  Impl& m = *impl_;
+  m.check_layer_ready(layer, fn);
+  begin_forward(batch, stream);
+  const std::size_t n = m.builtin_steps.size() + m.user_steps.size();
+  std::vector<cudaEvent_t> events(n + 1);
+  for (auto& e : events) KDA_CUDA_CHECK(fn, cudaEventCreate(&e));
+  std::vector<StepTiming> out(n);
+  for (std::size_t i = 0; i < n; ++i)
+    out[i].name = i < m.builtin_names.size() ? m.builtin_names[i] : "user step " + std::to_string(i - m.builtin_names.size());
+  try {
+    for (int w = 0; w < static_cast<int>(m.windows.size()); ++w) {
+      const StepContext ctx = m.make_context(layer, w, m.windows[w].bucket,
+                                             m.staging_dev.get() + w * m.staging.slot_bytes);
+      KDA_CUDA_CHECK(fn, cudaEventRecord(events[0], stream));
+      for (std::size_t i = 0; i < n; ++i) {
+        const Step& step = i < m.builtin_steps.size() ? m.builtin_steps[i] : m.user_steps[i - m.builtin_steps.size()];
+        step(ctx, stream);
+        KDA_CUDA_CHECK(fn, cudaEventRecord(events[i + 1], stream));
+      }
+      KDA_CUDA_CHECK(fn, cudaEventSynchronize(events[n]));
+      for (std::size_t i = 0; i < n; ++i) {
+        float ms = 0;
+        KDA_CUDA_CHECK(fn, cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+        out[i].gpu_us += ms * 1e3;
+      }
+    }
+  } catch (...) {
+    for (auto e : events) cudaEventDestroy(e);
+    throw;
+  }
+  for (auto e : events) cudaEventDestroy(e);
+  ++m.eager_runs;
+  return out;
 }
 
 const LayerWeights& PrefillModule::layer_weights(int layer) const {
