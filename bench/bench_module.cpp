@@ -33,6 +33,36 @@ struct Row {
   double host_run_us = 0;  // host time of one run() call (all layers), graph mode
 };
 
+// Random bf16 hidden states for the largest bucket's rows, made on the host.
+void upload_random_hidden(kda::PrefillModule& m, uint64_t seed) {
+  const kda::Config& cfg = m.config();
+  std::vector<uint16_t> h(static_cast<size_t>(cfg.runtime.largest_bucket() * cfg.model.hidden_size));
+  uint64_t x = seed | 1;
+  for (auto& v : h) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    v = kda::host::float_to_bf16(static_cast<float>((x >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f);
+  }
+  ok(cudaMemcpy(m.hidden_states(), h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload");
+}
+
+// n sequences of (nearly) equal length filling `tokens` rows, on lines 1.., continuing from
+// their states.
+struct EqualBatch {
+  std::vector<int32_t> qsl{0}, lines;
+  std::vector<uint8_t> flags;
+  EqualBatch(int64_t tokens, int64_t n, const kda::Config& cfg) {
+    for (int64_t i = 0; i < n; ++i) {
+      qsl.push_back(static_cast<int32_t>(tokens * (i + 1) / n));
+      lines.push_back(static_cast<int32_t>(i + 1 == cfg.pools.null_line ? i + 2 : i + 1));
+      flags.push_back(1);
+    }
+  }
+  kda::BatchView view() const {
+    return {qsl.data(), lines.data(), reinterpret_cast<const bool*>(flags.data()),
+            static_cast<int64_t>(lines.size())};
+  }
+};
+
 struct Measured {
   double gpu_us, wall_us, host_us;
 };
@@ -107,30 +137,11 @@ int main(int argc, char** argv) {
       const int n = steps == kda::LayerSteps::Full ? std::max(1, iters / 5) : iters;
       kda::PrefillModule m(cfg);
       m.init_random_weights(7);
-      {
-        // Random hidden states for the largest bucket's rows (made on the host once per config).
-        std::vector<uint16_t> h(static_cast<size_t>(cfg.runtime.largest_bucket() * cfg.model.hidden_size));
-        uint64_t x = 99;
-        for (auto& v : h) {
-          x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-          v = kda::host::float_to_bf16(static_cast<float>((x >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f);
-        }
-        ok(cudaMemcpy(m.hidden_states(), h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload");
-      }
+      upload_random_hidden(m, 99);
       for (int64_t bucket : cfg.runtime.token_buckets) {
         const int64_t seqs = std::min<int64_t>({4, bucket, cfg.runtime.max_seqs});
-        std::vector<int32_t> qsl(1, 0), lines;
-        std::vector<uint8_t> flags;
-        for (int64_t i = 0; i < seqs; ++i) {
-          qsl.push_back(static_cast<int32_t>(bucket * (i + 1) / seqs));
-          lines.push_back(static_cast<int32_t>(i + 1 == cfg.pools.null_line ? i + 2 : i + 1));
-          flags.push_back(1);
-        }
-        kda::BatchView b;
-        b.query_start_loc = qsl.data();
-        b.cache_indices = lines.data();
-        b.has_initial_state = reinterpret_cast<const bool*>(flags.data());
-        b.num_seqs = seqs;
+        const EqualBatch eb(bucket, seqs, cfg);
+        const kda::BatchView b = eb.view();
 
         Row r;
         r.config = path;
@@ -171,24 +182,12 @@ int main(int argc, char** argv) {
       cfg.runtime.layer_steps = kda::LayerSteps::Full;
       kda::PrefillModule m(cfg);
       m.init_random_weights(7);
-      std::vector<uint16_t> h(static_cast<size_t>(cfg.runtime.largest_bucket() * cfg.model.hidden_size));
-      uint64_t x = 5;
-      for (auto& v : h) {
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        v = kda::host::float_to_bf16(static_cast<float>((x >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f);
-      }
-      ok(cudaMemcpy(m.hidden_states(), h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload");
+      upload_random_hidden(m, 5);
       const int64_t cases[][2] = {{2048, 4}, {16384, 1}, {16384, 16}};
       for (const auto& c : cases) {
         const int64_t T = std::min(c[0], cfg.runtime.largest_bucket()), n = c[1];
-        std::vector<int32_t> qsl(1, 0), lines;
-        std::vector<uint8_t> flags;
-        for (int64_t i = 0; i < n; ++i) {
-          qsl.push_back(static_cast<int32_t>(T * (i + 1) / n));
-          lines.push_back(static_cast<int32_t>(i + 1 == cfg.pools.null_line ? i + 2 : i + 1));
-          flags.push_back(1);
-        }
-        kda::BatchView b{qsl.data(), lines.data(), reinterpret_cast<const bool*>(flags.data()), n};
+        const EqualBatch eb(T, n, cfg);
+        const kda::BatchView b = eb.view();
         m.profile_steps(b, 0, s);  // warm-up: module loads
         const auto t = m.profile_steps(b, 0, s);
         double total = 0;
