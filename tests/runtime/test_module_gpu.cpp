@@ -737,6 +737,29 @@ TEST_CASE("weights uploaded from host arrays give the same bits as the same weig
   CHECK(module_diff_bits(*dev, *up, b.tokens(), s) == 0);
 }
 
+TEST_CASE("profile_steps times every step and leaves the pools as a run of the layer does") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  kda::Config cfg = tiny_config();
+  cfg.runtime.num_layers = 1;
+  auto profiled = make_module(cfg, 91);
+  auto plain = make_module(cfg, 91);
+  const HostBatch b = make_batch({300, 5, 0, 60}, {1, 2, 3, 4}, {false, false, false, false});
+  for (PrefillModule* m : {profiled.get(), plain.get()}) fill_hidden(*m, b.tokens(), 9, s);
+  const auto t = profiled->profile_steps(b.view(), 0, s);
+  plain->run(b.view(), s);
+  REQUIRE(t.size() == 6);
+  const char* names[] = {"in_proj GEMM", "packed conv", "gate GEMMs (g1, g2)", "prep + recurrence",
+                         "gated RMSNorm", "o_proj GEMM"};
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    CHECK(t[i].name == names[i]);
+    CHECK(t[i].gpu_us > 0);
+  }
+  CHECK(module_diff_bits(*profiled, *plain, b.tokens(), s) == 0);
+  CHECK_THROWS_WITH_AS(profiled->profile_steps(b.view(), 1, s), doctest::Contains("layer 1 is out of range"),
+                       kda::Error);
+}
+
 TEST_CASE("random weights are deterministic per seed and follow their distributions") {
   const kda::Config cfg = tiny_config();
   auto a = make_module(cfg, 71), b = make_module(cfg, 71), c = make_module(cfg, 72);
