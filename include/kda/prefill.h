@@ -155,8 +155,9 @@ class PrefillModule {
   // fills every layer and waits again.
   void set_layer_weights(int layer, const LayerWeights& weights);
   // Copies host arrays of the same shapes (in_proj_rows as for set_layer_weights) into
-  // module-owned device storage, then uses them as set_layer_weights does. Synchronous; the
-  // host arrays may be freed when it returns. Throws kda::Error on a null array.
+  // module-owned device storage, in_proj padded with zero rows to in_proj_stride(), then uses
+  // them as set_layer_weights does. Synchronous; the host arrays may be freed when it returns.
+  // Throws kda::Error on a null array.
   void upload_layer_weights(int layer, const LayerWeights& host_weights);
   void init_random_weights(uint64_t seed);
   const LayerWeights& layer_weights(int layer) const;

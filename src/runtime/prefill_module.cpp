@@ -658,10 +658,13 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
       {h.o_norm_weight, "o_norm_weight", static_cast<std::size_t>(mc.head_dim) * 2},
       {h.o_proj, "o_proj", static_cast<std::size_t>(m.D * m.P) * 2},
   };
-  std::size_t total = 0;
+  // in_proj is stored padded to in_proj_stride rows of zeros whatever the host gave, so that the
+  // GEMM takes its fast width (LayerWeights::in_proj_rows).
+  const std::size_t in_proj_padded = static_cast<std::size_t>(m.in_stride * m.D) * 2;
+  std::size_t total = (in_proj_padded + 255) / 256 * 256;
   for (const Tensor& t : tensors) {
     KDA_CHECK(t.host != nullptr, fn, "layer ", layer, ": host_weights.", t.name, " is null");
-    total += (t.bytes + 255) / 256 * 256;
+    if (&t != &tensors[0]) total += (t.bytes + 255) / 256 * 256;
   }
   if (m.uploaded_weights.empty()) m.uploaded_weights.resize(m.num_layers);
   // A forward in flight may still read the storage being replaced or overwritten.
@@ -671,12 +674,15 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
   const void* dev[8];
   for (int i = 0; i < 8; ++i) {
     KDA_CUDA_CHECK(fn, cudaMemcpy(dst, tensors[i].host, tensors[i].bytes, cudaMemcpyHostToDevice));
+    const std::size_t stored = i == 0 ? in_proj_padded : tensors[i].bytes;
+    if (stored > tensors[i].bytes)
+      KDA_CUDA_CHECK(fn, cudaMemset(dst + tensors[i].bytes, 0, stored - tensors[i].bytes));
     dev[i] = dst;
-    dst += (tensors[i].bytes + 255) / 256 * 256;
+    dst += (stored + 255) / 256 * 256;
   }
   LayerWeights w;
   w.in_proj = dev[0];
-  w.in_proj_rows = rows;
+  w.in_proj_rows = m.in_stride;
   w.conv_weight = static_cast<const float*>(dev[1]);
   w.f_b = dev[2];
   w.g_b = dev[3];
