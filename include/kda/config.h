@@ -65,10 +65,19 @@ struct PoolConfig {
   int32_t null_line = 0;                //                                       (pools.null_line)
 };
 
+// Tensor parallelism: this module runs rank `rank` of `size` ranks; model.num_heads is the heads
+// on this rank (the full model has num_heads x size). The ranks' layer outputs must be summed
+// (o_proj is row-parallel); runtime/tp_shard.h cuts a full layer's weights and pools.
+struct TensorParallelConfig {
+  int64_t size = 1;  //                                                       (tensor_parallel.size)
+  int64_t rank = 0;  //                                                       (tensor_parallel.rank)
+};
+
 struct Config {
   ModelConfig model;
   RuntimeConfig runtime;
   PoolConfig pools;
+  TensorParallelConfig tensor_parallel;  // optional section; default one rank
   std::string name;  // for display only; empty when absent (top-level `name:`)
 
   // Where the values came from, for error messages: the file name, and the line of each key

@@ -114,6 +114,13 @@ class Validator {
                    " MiB) is outside [0, 1024] MiB"));
   }
 
+  void tensor_parallel() const {
+    const TensorParallelConfig& tp = config_.tensor_parallel;
+    in_range("tensor_parallel.size", tp.size, 1, 64, "ranks of one tensor-parallel group");
+    if (tp.rank < 0 || tp.rank >= tp.size)
+      fail("tensor_parallel.rank", str_cat(tp.rank, " is outside [0, ", tp.size, "); tensor_parallel.size is ", tp.size));
+  }
+
   void pools() const {
     const PoolConfig& p = config_.pools;
     // Cache indices are int32 and the pools hold cache_lines x (H, 128, 128) fp32; the cap keeps
@@ -139,6 +146,7 @@ void validate_config(const Config& config) {
   v.model();
   v.runtime();
   v.pools();
+  v.tensor_parallel();
 }
 
 }  // namespace kda

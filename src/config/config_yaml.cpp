@@ -318,6 +318,12 @@ void read_pools(Reader& r, const Entry& section, PoolConfig& pools) {
   }
 }
 
+void read_tensor_parallel(Reader& r, const Entry& section, TensorParallelConfig& tp) {
+  const auto e = r.section(section.value, section.path, section.line, {"size", "rank"});
+  if (const Entry* v = r.find(e, "size")) tp.size = r.integer(*v);
+  if (const Entry* v = r.find(e, "rank")) tp.rank = r.integer(*v);
+}
+
 Config parse(const std::string& yaml_text, const std::string& source, const char* function) {
   Config config;
   config.source = source;
@@ -337,7 +343,7 @@ Config parse(const std::string& yaml_text, const std::string& source, const char
     r.fail(0, "", "empty document; expected a map with the sections model, runtime and pools");
 
   const YAML::Node& root = documents[0];
-  const auto top = r.section(root, "", line_of(root), {"name", "model", "runtime", "pools"});
+  const auto top = r.section(root, "", line_of(root), {"name", "model", "runtime", "pools", "tensor_parallel"});
   if (const Entry* v = r.find(top, "name")) config.name = r.text(*v);
   const auto section = [&](const char* key) -> const Entry& {
     const Entry* entry = r.find(top, key);
@@ -347,6 +353,7 @@ Config parse(const std::string& yaml_text, const std::string& source, const char
   read_model(r, section("model"), config.model);
   read_runtime(r, section("runtime"), config.runtime);
   read_pools(r, section("pools"), config.pools);
+  if (const Entry* tp = r.find(top, "tensor_parallel")) read_tensor_parallel(r, *tp, config.tensor_parallel);
 
   validate_config(config);
   return config;

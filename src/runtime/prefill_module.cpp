@@ -593,9 +593,19 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
   has_weights[layer] = true;
 }
 
+namespace {
+// What the module cannot run yet, refused before anything is created on the device.
+void check_module_supports(const Config& config) {
+  KDA_CHECK(config.tensor_parallel.size == 1 || config.runtime.layer_steps != LayerSteps::Full,
+            "kda::PrefillModule::PrefillModule", "tensor_parallel.size ", config.tensor_parallel.size,
+            " is not supported for runtime.layer_steps: full: the all-reduce of the ranks' layer outputs "
+            "is not implemented yet (size 1, or layer_steps: conv, run)");
+}
+}  // namespace
+
 // The config is validated before anything is created on the device.
 PrefillModule::PrefillModule(const Config& config)
-    : impl_((validate_config(config), std::make_unique<Impl>(config))) {}
+    : impl_((validate_config(config), check_module_supports(config), std::make_unique<Impl>(config))) {}
 PrefillModule::~PrefillModule() = default;
 
 const Config& PrefillModule::config() const { return impl_->config; }

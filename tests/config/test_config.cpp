@@ -328,7 +328,7 @@ TEST_CASE("unknown keys are rejected with the keys that are allowed") {
   }
   SUBCASE("an unknown section") {
     CHECK(parse_error(std::string(kMinimal) + "graphs:\n  buckets: [1]\n") ==
-          "x.yaml:8: graphs: unknown key; expected one of name, model, runtime, pools");
+          "x.yaml:8: graphs: unknown key; expected one of name, model, runtime, pools, tensor_parallel");
   }
   SUBCASE("an unknown pools key") {
     CHECK(parse_error(minimal_with("pools", "lines: 4")).find("x.yaml:7: pools.lines: unknown key") ==
@@ -688,6 +688,21 @@ TEST_CASE("validate_config rejects each rule's violation with the key path") {
   // A code-built config has no source: the message starts with the key path.
   CHECK(validate_error(c).find(expected) == 0);
   CHECK_THROWS_WITH_AS(kda::validate_config(c), doctest::Contains(expected.c_str()), kda::Error);
+}
+
+TEST_CASE("tensor_parallel is optional, and its rank must lie inside its size") {
+  const kda::Config plain = kda::parse_config(kMinimal, "x.yaml");
+  CHECK(plain.tensor_parallel.size == 1);
+  CHECK(plain.tensor_parallel.rank == 0);
+  const kda::Config tp = kda::parse_config(std::string(kMinimal) + "tensor_parallel: {size: 4, rank: 3}\n", "x.yaml");
+  CHECK(tp.tensor_parallel.size == 4);
+  CHECK(tp.tensor_parallel.rank == 3);
+  CHECK_THROWS_WITH_AS(kda::parse_config(std::string(kMinimal) + "tensor_parallel: {size: 2, rank: 2}\n", "x.yaml"),
+                       doctest::Contains("tensor_parallel.rank: 2 is outside [0, 2)"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(std::string(kMinimal) + "tensor_parallel: {size: 0}\n", "x.yaml"),
+                       doctest::Contains("tensor_parallel.size: 0 is outside [1, 64]"), kda::Error);
+  CHECK(parse_error(std::string(kMinimal) + "tensor_parallel: {ranks: 2}\n").find(
+            "tensor_parallel.ranks: unknown key") != std::string::npos);
 }
 
 TEST_CASE("validate_config prefixes source and line when key_lines has the path") {
