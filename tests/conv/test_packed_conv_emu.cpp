@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/emu_barrier.h"
 #include "common/half_host.h"
 #include "conv/conv_params.h"
 #include "conv/conv_reference.h"
@@ -35,33 +36,7 @@ using kda::DType;
 using kda::conv::Float4;
 using kda::conv::RowOf;
 
-// A reusable barrier for the 32 lanes. A lane that waits for more than a minute means the body
-// reached a collective non-uniformly: reported, then the program stops instead of hanging.
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t gen = generation_;
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != gen; })) {
-      std::fprintf(stderr, "emulated warp: a collective timed out (reached non-uniformly?)\n");
-      std::abort();
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int n_;
-  int arrived_ = 0;
-  uint64_t generation_ = 0;
-};
+using Barrier = kda::test::EmuBarrier;
 
 // Byte ranges an access may touch, by kind.
 struct Range {

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/emu_barrier.h"
 #include "common/half_host.h"
 #include "layer/kda_chunked.h"
 #include "layer/kda_chunked_body.cuh"
@@ -32,34 +33,7 @@ namespace {
 
 using kda::chunked::ChunkedParams;
 
-// A reusable barrier for n threads. A thread that waits for more than a minute means the
-// body reached a barrier non-uniformly: that is reported and the program stops, instead of
-// hanging the test run.
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t gen = generation_;
-    if (++arrived_ == n_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != gen; })) {
-      std::fprintf(stderr, "emulated block: a barrier of %d threads timed out (non-uniform barrier?)\n", n_);
-      std::abort();
-    }
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int n_;
-  int arrived_ = 0;
-  uint64_t generation_ = 0;
-};
+using Barrier = kda::test::EmuBarrier;
 
 // What the 32 lanes of a warp exchange in one collective. Two alternating slots let a lane
 // fill the next collective's slot while a slower lane still reads the current one: the
