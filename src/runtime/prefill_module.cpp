@@ -140,6 +140,7 @@ struct PrefillModule::Impl {
   Config config;
   int num_layers = 0;
   int64_t D = 0, P = 0, H = 0, in_cols = 0, in_stride = 0;
+  int64_t f_a_col = 0, g_a_col = 0;  // first columns of f_a and g_a in the in_proj output
   int64_t B = 0;             // largest bucket: rows per window
   int64_t capacity = 0;      // runtime.batch_token_capacity()
   int64_t windows_max = 0;   // staging slots
@@ -217,6 +218,8 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   H = m.num_heads;
   in_cols = m.in_proj_cols();
   in_stride = m.in_proj_stride();
+  f_a_col = 3 * P + H;
+  g_a_col = f_a_col + m.gate_rank;
   B = config.runtime.largest_bucket();
   capacity = config.runtime.batch_token_capacity();
   windows_max = detail::max_windows(config);
@@ -300,9 +303,9 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
     gate.ldc = P;
     gate.align_w = 16;
     gate.align_c = 256;
-    gate.align_a = pow2_alignment(static_cast<std::size_t>(3 * P + H) * 2);
+    gate.align_a = pow2_alignment(static_cast<std::size_t>(f_a_col) * 2);
     g1_gemm = std::make_unique<detail::GemmPlan>(lt.get(), gate, config.runtime.token_buckets, workspace_bytes);
-    gate.align_a = pow2_alignment(static_cast<std::size_t>(3 * P + H + r) * 2);
+    gate.align_a = pow2_alignment(static_cast<std::size_t>(g_a_col) * 2);
     g2_gemm = std::make_unique<detail::GemmPlan>(lt.get(), gate, config.runtime.token_buckets, workspace_bytes);
     // o_proj writes the window's rows of the output buffer.
     detail::GemmShape out_shape;
@@ -427,10 +430,9 @@ void PrefillModule::Impl::build_builtin_steps() {
   builtin_names.push_back("gate GEMMs (g1, g2)");
   builtin_steps.push_back([this](const StepContext& ctx, Stream stream) {
     const char* x = static_cast<const char*>(ctx.in_proj_out);
-    const int64_t f_a = 3 * P + H, g_a = f_a + config.model.gate_rank;
-    g1_gemm->run(ctx.bucket_tokens, x + f_a * 2, ctx.weights->f_b, g1_buf.get(), gemm_workspace.get(),
+    g1_gemm->run(ctx.bucket_tokens, x + f_a_col * 2, ctx.weights->f_b, g1_buf.get(), gemm_workspace.get(),
                  gemm_workspace.bytes(), stream);
-    g2_gemm->run(ctx.bucket_tokens, x + g_a * 2, ctx.weights->g_b, g2_buf.get(), gemm_workspace.get(),
+    g2_gemm->run(ctx.bucket_tokens, x + g_a_col * 2, ctx.weights->g_b, g2_buf.get(), gemm_workspace.get(),
                  gemm_workspace.bytes(), stream);
   });
   // (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the
