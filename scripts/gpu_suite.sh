@@ -2,7 +2,8 @@
 # The GPU job: build, GPU tests, compute-sanitizer, benchmarks and the driver, on a machine with
 # an NVIDIA Hopper GPU. Logs and tables go to $OUT (default /tmp/kda-gpu-out); a summary is
 # printed last.
-#   scripts/gpu_suite.sh [info] [build] [test] [sanitize] [bench] [driver]   (default: all)
+#   scripts/gpu_suite.sh [info] [build] [test] [sanitize] [bench] [steps] [profile] [driver]
+#   (default: info build test sanitize bench driver)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kda-gpu-out}
@@ -65,13 +66,34 @@ for stage in "${stages[@]}"; do
       note "bench_kda_core rc $?"
       cat "$OUT/bench_conv.md" "$OUT/bench_module.md" 2>/dev/null
       ;;
+    steps)
+      # Per-step GPU time of one layer (profile_steps), both configs.
+      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_module" --steps-only --out "$OUT/bench_steps.md" > "$OUT/steps.log" 2>&1
+      note "bench_module --steps-only rc $?"
+      cat "$OUT/bench_steps.md" 2>/dev/null
+      ;;
+    profile)
+      # Nsight Compute on the packed conv (16384 x 1) and the chunked core (H 12, 1 x 16384), clocks
+      # left alone. PROFILE="conv core" picks the parts.
+      ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section SourceCounters"
+      for part in ${PROFILE:-conv core}; do
+        case "$part" in
+          conv) timeout 240 "$ncu_bin" --clock-control none $sections -k regex:packed_conv_kernel --launch-skip 5 --launch-count 1 \
+                  "$build/bench/bench_conv" --quick --case 16384x1 > "$OUT/ncu_conv.txt" 2>&1 ;;
+          core) timeout 300 "$ncu_bin" --clock-control none $sections -k regex:kda_chunk --launch-skip 2 --launch-count 4 \
+                  "$build/bench/bench_kda_core" --quick --reps 20 > "$OUT/ncu_core.txt" 2>&1 ;;
+        esac
+        note "ncu $part rc $?"
+      done
+      ;;
     driver)
       timeout "${DRIVER_TIMEOUT:-120}" "$build/examples/prefill_driver" --config configs/default.yaml --check > "$OUT/driver.log" 2>&1
       rc=$?
       tail -25 "$OUT/driver.log"
       note "driver --check rc $rc"
       ;;
-    *) echo "gpu_suite.sh: unknown stage \"$stage\" (info build test sanitize bench driver)"; exit 2 ;;
+    *) echo "gpu_suite.sh: unknown stage \"$stage\" (info build test sanitize bench steps profile driver)"; exit 2 ;;
   esac
 done
 echo
