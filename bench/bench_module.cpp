@@ -30,7 +30,7 @@ struct Row {
   std::string config, steps;
   int64_t bucket = 0, tokens = 0, seqs = 0, layers = 0;
   double graph_gpu_us = 0, eager_gpu_us = 0, graph_wall_us = 0, eager_wall_us = 0;
-  double host_run_us = 0;  // host time of one run() call (all layers), graph mode
+  double host_run_us = 0;  // host time of one run() call (all layers), graph mode, median
   double host_begin_us = 0, host_first_layer_us = 0, host_last_layer_us = 0;  // its parts
 };
 
@@ -64,6 +64,11 @@ struct EqualBatch {
   }
 };
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
 struct Measured {
   double gpu_us, wall_us, host_us;
   double host_begin_us, host_first_layer_us, host_last_layer_us;  // parts of host_us
@@ -84,22 +89,24 @@ Measured measure(kda::PrefillModule& m, const kda::BatchView& b, int iters, cuda
     return std::chrono::duration<double, std::micro>(b - a).count();
   };
   const int layers = m.config().runtime.num_layers;
-  double host = 0, begin = 0, first = 0, last = 0;
-  for (int i = 0; i < iters; ++i) {
+  // Medians over at least 30 drained-stream runs: single runs see OS jitter of tens of us.
+  const int host_iters = std::max(iters, 30);
+  std::vector<double> host, begin, first, last;
+  for (int i = 0; i < host_iters; ++i) {
     ok(cudaStreamSynchronize(s), "sync");
     const auto h0 = Clock::now();
     m.begin_forward(b, s);
     const auto h1 = Clock::now();
-    begin += us(h0, h1);
+    begin.push_back(us(h0, h1));
     auto prev = h1;
     for (int l = 0; l < layers; ++l) {
       m.run_layer(l, s);
       const auto now = Clock::now();
-      if (l == 0) first += us(prev, now);
-      if (l == layers - 1) last += us(prev, now);
+      if (l == 0) first.push_back(us(prev, now));
+      if (l == layers - 1) last.push_back(us(prev, now));
       prev = now;
     }
-    host += us(h0, prev);
+    host.push_back(us(h0, prev));
   }
   ok(cudaStreamSynchronize(s), "sync");
   // GPU and wall time of back-to-back forwards.
@@ -114,7 +121,7 @@ Measured measure(kda::PrefillModule& m, const kda::BatchView& b, int iters, cuda
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   return {ms * 1e3 / iters, std::chrono::duration<double, std::micro>(w1 - w0).count() / iters,
-          host / iters, begin / iters, first / iters, last / iters};
+          median(host), median(begin), median(first), median(last)};
 }
 
 }  // namespace

@@ -118,10 +118,18 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.chunk_shift = log2_exact(chunk);
   p.search_steps = search_steps(args.num_seqs);
   p.search_stride = search_stride(p.search_steps);
+  p.planes = args.dim / args.part_dim;
+  p.cols_per_plane = args.part_dim / p.tile;
   p.programs_per_col_block = programs_per_col_block(args.num_tokens, args.num_seqs, p.chunk_shift);
   p.num_programs = p.programs_per_col_block * p.num_col_blocks;
-  p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
-  p.num_ctas = (p.num_programs + p.warps_per_cta - 1) / p.warps_per_cta;
+  if (tuning.warps_per_cta != 0) {
+    p.warps_per_cta = tuning.warps_per_cta;
+  } else {
+    p.warps_per_cta = kDefaultWarpsPerCta;
+    while (p.warps_per_cta > 1 && p.cols_per_plane % p.warps_per_cta != 0) p.warps_per_cta /= 2;
+  }
+  p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
+  p.num_ctas = p.programs_per_col_block * p.col_groups_per_plane * p.planes;
   return p;
 }
 

@@ -49,11 +49,22 @@ struct PackedConvParams {
   int search_steps = 0;
   int64_t search_stride = 0;
   int64_t num_col_blocks = 0;          // dim / tile
+  int64_t planes = 0;                  // dim / part_dim
+  int64_t cols_per_plane = 0;          // part_dim / tile column blocks per plane
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  int64_t num_ctas = 0;  // ceil(num_programs / warps_per_cta)
+  // The grid is (programs_per_col_block, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
+  // program x of column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
+  // plane z. Every warp of a CTA has the same (sequence, chunk), so one warp searches for it,
+  // and no program index is ever divided.
+  int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
+  int64_t num_ctas = 0;              // the product of the grid's three extents
 };
+
+// Grid extents beyond which the launch is refused (CUDA's limits on y and z; x is bounded by
+// int32 in supported()).
+constexpr int64_t kMaxGridYZ = 65535;
 
 // The default vector width (channels per lane): the widest of 4, 2, 1 such that 32 * vec
 // divides part_dim and the x pointer, the x row stride in bytes, the out pointer and the out
@@ -68,6 +79,8 @@ int default_vec(const PackedConvArgs& args);
 // pointer alignment that picks the vector width, so that a captured grid stays valid.
 int default_chunk_len(int64_t num_tokens, int64_t dim);
 
+// Warps per CTA when not forced: 4, or the largest of 2 and 1 that divides the column blocks of
+// a plane when 4 does not (so no warp of the grid idles).
 constexpr int kDefaultWarpsPerCta = 4;
 constexpr int kMaxWarpsPerCta = 8;
 

@@ -97,7 +97,16 @@ struct DeviceOps {
   __device__ __forceinline__ uint16_t f32_to_fp16_rn(float v) const {
     return __half_as_ushort(store_rn<__half>(v));
   }
-  __device__ __forceinline__ float silu(float acc) const { return silu_stock(acc); }
+  // One cvt for two results; the same bits as two single conversions.
+  __device__ __forceinline__ uint32_t pack2_bf16_rn(float lo, float hi) const {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ __forceinline__ uint32_t pack2_fp16_rn(float lo, float hi) const {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ __forceinline__ float silu(float acc) const { return silu_stock_folded(acc); }
 
   __device__ __forceinline__ uint32_t ballot(bool pred) const {
     return __ballot_sync(0xFFFFFFFFu, pred);
@@ -106,22 +115,47 @@ struct DeviceOps {
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
+// CTA (x, y, z): chunk program x, column blocks y * warps + warp of plane z (conv_params.h).
+// Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
+// memory, so the other warps spend no instructions on it.
 template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
+  __shared__ int64_t located[6];
   const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
-  const int64_t program = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + warp;
-  packed_conv_program<Traits, kSilu, kHasBias>(p, program, static_cast<int>(threadIdx.x % 32),
-                                               ops);
+  if (warp == 0) {
+    const ProgramChunk pc = locate_chunk(p, blockIdx.x, lane, ops);
+    if (lane == 0) {
+      located[0] = pc.seq;
+      located[1] = pc.chunk;
+      located[2] = pc.begin;
+      located[3] = pc.end;
+      located[4] = pc.seq_begin;
+      located[5] = pc.seq_end;
+    }
+  }
+  __syncthreads();
+  ProgramChunk pc;
+  pc.seq = located[0];
+  pc.chunk = located[1];
+  pc.begin = located[2];
+  pc.end = located[3];
+  pc.seq_begin = located[4];
+  pc.seq_end = located[5];
+  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
+  if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
+  packed_conv_program<Traits, kSilu, kHasBias>(p, pc, blockIdx.z, plane_col_block, lane, ops);
 }
 
 template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
-  const dim3 grid(static_cast<unsigned>(p.num_ctas));
+  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
+                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
   const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
@@ -156,8 +190,11 @@ void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
   if (!why.empty()) KDA_FAIL(function, why);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
   const PackedConvParams p = make_params(args, tuning);
-  KDA_CHECK(p.num_ctas <= std::numeric_limits<int32_t>::max(), function, "the launch needs ",
-            p.num_ctas, " thread blocks, more than the 2147483647 a grid can hold");
+  // supported() refused larger grids; a forced warps_per_cta only shrinks y.
+  KDA_CHECK(p.programs_per_col_block <= std::numeric_limits<int32_t>::max() &&
+                p.col_groups_per_plane <= kMaxGridYZ && p.planes <= kMaxGridYZ,
+            function, "the launch grid (", p.programs_per_col_block, ", ", p.col_groups_per_plane, ", ",
+            p.planes, ") exceeds CUDA's limits");
   const auto s = static_cast<cudaStream_t>(stream);
   switch (p.x_dtype) {
     case DType::BF16: launch_for_vec<DType::BF16>(p, s, function); break;

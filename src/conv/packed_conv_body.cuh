@@ -9,12 +9,13 @@
 //   int32_t load_i32_ro(const int32_t* p)  bool load_flag(const bool* p)     (byte != 0)
 //   float from_bits(uint32_t b)            uint32_t to_bits(float v)
 //   float fp16_to_f32(uint16_t h)          uint16_t f32_to_bf16_rn(float)   uint16_t f32_to_fp16_rn(float)
-//   float silu(float acc)                  (device: silu_stock; CPU: silu_host_approx)
+//   uint32_t pack2_bf16_rn(float lo, float hi)   uint32_t pack2_fp16_rn(float lo, float hi)
+//   float silu(float acc)                  (device: silu_stock_folded; CPU: silu_host_approx)
 //   uint32_t ballot(bool pred)             void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
 //
-// One warp is one program: a (sequence, token chunk) of the program map (program_map.h) times
-// a tile of 32 * vec channels inside one output plane. Each lane owns vec adjacent channels: it
+// One warp is one program: a (sequence, token chunk) of the program map (program_map.h), found
+// by locate_chunk, times a tile of 32 * vec channels inside one output plane. Each lane owns vec adjacent channels: it
 // keeps their taps, bias and 3 history rows in registers and streams the chunk's rows through a
 // register queue of kQueueRows loads in flight. Taps and conv state move through the warp's
 // staging area in memory order. The arithmetic is silu_recipe.h's.
@@ -273,11 +274,50 @@ struct TileStaging {
   }
 };
 
-// One program of the packed conv, run by the 32 lanes of a warp (every branch below depends
-// on the program only, so the warp never diverges).
+// The (sequence, token chunk) of chunk program `chunk_program`, found by the 32 lanes of one
+// warp (program_map.h's radix search). It is the same for every column block, so the kernel
+// runs it once per CTA and shares it.
+template <class Ops>
+KDA_HOST_DEVICE KDA_INLINE ProgramChunk locate_chunk(const PackedConvParams& p, int64_t chunk_program,
+                                                     int lane, Ops& ops) {
+  return locate_program_warp(
+      p.query_start_loc, p.num_seqs, p.chunk_shift, p.search_steps, p.search_stride,
+      chunk_program, lane, [&](int64_t i) { return ops.load_i32_ro(p.query_start_loc + i); },
+      [&](bool pred) { return ops.ballot(pred); });
+}
+
+// Two results rounded to nearest even in the element type and packed into one 32-bit word, low
+// half first (16-bit types only). The device packs with one cvt of two floats.
+template <class Traits, class Ops>
+KDA_HOST_DEVICE KDA_INLINE uint32_t pack2_rn(const Ops& ops, float lo, float hi) {
+  static_assert(Traits::kElemBytes == 2, "16-bit types");
+  if constexpr (Traits::kElem == DType::BF16) {
+    return ops.pack2_bf16_rn(lo, hi);
+  } else {
+    return ops.pack2_fp16_rn(lo, hi);
+  }
+}
+
+// One row of results in the element type.
+template <class Traits, class Ops, int kWords>
+KDA_HOST_DEVICE KDA_INLINE void pack_row(const Ops& ops, const float (&v)[Traits::kVec],
+                                         RowBits<kWords>& r) {
+  if constexpr (Traits::kElem == DType::FP32 || Traits::kVec == 1) {
+    KDA_UNROLL
+    for (int i = 0; i < Traits::kVec; ++i) set_element<Traits>(ops, r, i, v[i]);
+  } else {
+    KDA_UNROLL
+    for (int i = 0; i < Traits::kVec; i += 2) r.w[i / 2] = pack2_rn<Traits>(ops, v[i], v[i + 1]);
+  }
+}
+
+// One program of the packed conv, run by the 32 lanes of a warp: chunk `pc` (from
+// locate_chunk) of the tile of column block `plane_col_block` of plane `plane`. Every branch
+// below depends on the program only, so the warp never diverges.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
-KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, int64_t program,
-                                                    int lane, Ops& ops) {
+KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, const ProgramChunk& pc,
+                                                    int64_t plane, int64_t plane_col_block, int lane,
+                                                    Ops& ops) {
   constexpr int kVec = Traits::kVec;
   constexpr int kQueue = Traits::kQueueRows;
   constexpr int kBytes = Traits::kRowBytes;
@@ -287,24 +327,15 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, i
   using Taps = TileStaging<kTile, kVec, 4>;
   using State = TileStaging<kTile, kVec, 3>;
 
-  if (program >= p.num_programs) return;
-  const int64_t chunk_program = program / p.num_col_blocks;
-  const int64_t col_block = program - chunk_program * p.num_col_blocks;
-
-  const ProgramChunk pc = locate_program_warp(
-      p.query_start_loc, p.num_seqs, p.chunk_shift, p.search_steps, p.search_stride,
-      chunk_program, lane, [&](int64_t i) { return ops.load_i32_ro(p.query_start_loc + i); },
-      [&](bool pred) { return ops.ballot(pred); });
   if (pc.seq < 0 || pc.begin >= pc.end) return;
   // Malformed query_start_loc (negative, decreasing, past num_tokens) skips the sequence, so
   // no access leaves x or out. For a well-formed one these never trigger.
   if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return;
 
   // The tile lies inside one plane because kTile divides part_dim.
-  const int64_t tile_begin = col_block * kTile;
-  const int64_t c0 = tile_begin + lane * kVec;  // this lane's first channel
-  const int64_t plane = tile_begin / p.part_dim;
-  const int64_t plane_col = c0 - plane * p.part_dim;
+  const int64_t plane_col = plane_col_block * kTile + lane * kVec;  // this lane's first channel
+  const int64_t tile_begin = plane * p.part_dim + plane_col_block * kTile;
+  const int64_t c0 = tile_begin + lane * kVec;
 
   const char* x_lane = static_cast<const char*>(p.x) + c0 * kElemBytes;
   const int64_t x_row_bytes = p.x_row_stride * kElemBytes;
@@ -411,6 +442,31 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, i
   }
 
   char* store_ptr = out_lane + pc.begin * out_row_bytes;
+  // One row: the lane's kVec outputs from the row and the 3 history rows, then the history
+  // shifts (register renaming once the loops are unrolled).
+  const auto convolve_row = [&](const Row& cur, char* dst) {
+    float y[kVec];
+    KDA_UNROLL
+    for (int v = 0; v < kVec; ++v) {
+      const float x0 = element_f32<Traits>(ops, cur, v);
+      float acc = conv4_tap_fma(h3[v], h2[v], h1[v], x0, w0[v], w1[v], w2[v], w3[v], acc0[v]);
+      if constexpr (kSilu) acc = ops.silu(acc);
+      y[v] = acc;
+      h3[v] = h2[v];
+      h2[v] = h1[v];
+      h1[v] = x0;
+    }
+    Row out;
+    pack_row<Traits>(ops, y, out);
+    ops.template store_out<kBytes>(dst, out);
+  };
+  if (rows == kQueue) {
+    // A full chunk of the default length: every row is in the queue already, and the loop has
+    // no per-row guards (the common case; docs/perf-notes.md, conv v3).
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
+    return;
+  }
   for (int r0 = 0; r0 < rows; r0 += kQueue) {
     KDA_UNROLL
     for (int i = 0; i < kQueue; ++i) {
@@ -419,18 +475,7 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, i
         const Row cur = queue[i];
         if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
         load_ptr += x_row_bytes;
-        Row y;
-        KDA_UNROLL
-        for (int v = 0; v < kVec; ++v) {
-          const float x0 = element_f32<Traits>(ops, cur, v);
-          float acc = conv4_tap_fma(h3[v], h2[v], h1[v], x0, w0[v], w1[v], w2[v], w3[v], acc0[v]);
-          if constexpr (kSilu) acc = ops.silu(acc);
-          set_element<Traits>(ops, y, v, acc);
-          h3[v] = h2[v];
-          h2[v] = h1[v];
-          h1[v] = x0;
-        }
-        ops.template store_out<kBytes>(store_ptr, y);
+        convolve_row(cur, store_ptr);
         store_ptr += out_row_bytes;
       }
     }

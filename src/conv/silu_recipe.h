@@ -59,6 +59,24 @@ __device__ __forceinline__ float silu_stock(float acc) {
   return y;
 }
 
+// silu_stock with its first two steps folded into one multiply: t = acc * -log2e instead of
+// t = (0 - acc) * log2e. Same bits for every acc: for acc not +-0 and not NaN, 0 - acc = -acc
+// exactly and round-to-nearest-even is symmetric, so fl(-acc * log2e) = fl(acc * -log2e); for
+// acc = +-0 the two t are +-0 and ex2 gives 1 for both (y = acc / 2 depends on acc alone); for
+// a NaN acc, t, e, d and y are NaN either way (the GPU's fp32 NaN results are the canonical NaN
+// whatever the operands' signs). The packed kernel uses this form (one instruction fewer per
+// element); the stock-path baseline keeps the literal recipe, so the bit-exact tests compare
+// the two.
+__device__ __forceinline__ float silu_stock_folded(float acc) {
+  const float t = __fmul_rn(acc, -kLog2e);
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+  const float d = __fadd_rn(e, 1.0f);
+  float y;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(acc), "f"(d));
+  return y;
+}
+
 // Stores of an fp32 result into the output dtype, rounding to nearest even.
 template <typename T>
 __device__ __forceinline__ T store_rn(float v);

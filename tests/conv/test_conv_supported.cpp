@@ -230,16 +230,27 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
     a.out = fake_pointer<void>(1, -3 * 2048 * 1536 * 2 + 64);
     expected = "out overlaps x";
   }
-  SUBCASE("a grid beyond 2^31 - 1 thread blocks") {
+  SUBCASE("a grid x extent beyond 2^31 - 1 programs") {
     a.num_tokens = std::numeric_limits<int32_t>::max();
-    a.part_dim = 128 * 1024;
+    a.num_seqs = std::numeric_limits<int32_t>::max() - 1;
+    a.part_dim = 64;
     a.dim = a.part_dim;
     a.x_row_stride = a.dim;
     a.state_stride_line = 3 * a.dim;
-    a.num_seqs = 1;
     a.x = fake_pointer<const void>(1);
     a.out = fake_pointer<void>(1 << 12);
-    expected = "thread blocks, more than the 2147483647 a grid can hold";
+    expected = "programs per column block (num_tokens / 16 + num_seqs), more than the 2147483647";
+  }
+  SUBCASE("a grid y extent beyond 65535 column groups") {
+    // 4 warps of 128 channels per CTA: 65536 groups need 2^25 channels in one plane.
+    a.part_dim = int64_t{1} << 25;
+    a.dim = a.part_dim;
+    a.x_row_stride = a.dim;
+    a.state_stride_line = 3 * a.dim;
+    a.num_tokens = 16;
+    a.x = fake_pointer<const void>(1);
+    a.out = fake_pointer<void>(1 << 12);
+    expected = "column groups per plane, more than the 65535 a grid's y extent can hold";
   }
 
   CAPTURE(expected);
@@ -320,7 +331,10 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   CHECK(p.programs_per_col_block == 2048 / 16 + 4);
   CHECK(p.num_programs == (2048 / 16 + 4) * 36);
   CHECK(p.warps_per_cta == kda::conv::kDefaultWarpsPerCta);
-  CHECK(p.num_ctas == (p.num_programs + 3) / 4);
+  CHECK(p.planes == 3);
+  CHECK(p.cols_per_plane == 12);
+  CHECK(p.col_groups_per_plane == 3);
+  CHECK(p.num_ctas == (2048 / 16 + 4) * 3 * 3);
   CHECK(p.has_null_block);
   CHECK(p.null_block_id == 0);
 
@@ -330,6 +344,8 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     CHECK(q.tile == 256);
     CHECK(q.num_col_blocks == 18);
     CHECK(q.chunk_shift == 7);
+    CHECK(q.cols_per_plane == 6);
+    CHECK(q.col_groups_per_plane == 6);
     CHECK(q.num_ctas == (2048 / 128 + 4) * 18);
   }
   SUBCASE("the grid does not depend on the batch, only on the capacities") {
@@ -344,6 +360,24 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   SUBCASE("no null block") {
     a.null_block_id.reset();
     CHECK_FALSE(kda::conv::make_params(a).has_null_block);
+  }
+  SUBCASE("the default warps per CTA divide a plane's column blocks") {
+    a.part_dim = 768;  // 6 column blocks of 128: 2 warps per CTA, 3 groups
+    a.dim = 3 * a.part_dim;
+    const kda::conv::PackedConvParams q = kda::conv::make_params(a);
+    CHECK(q.cols_per_plane == 6);
+    CHECK(q.warps_per_cta == 2);
+    CHECK(q.col_groups_per_plane == 3);
+    a.part_dim = 128 * 5;  // 5 blocks: 1 warp per CTA
+    a.dim = 2 * a.part_dim;
+    const kda::conv::PackedConvParams r = kda::conv::make_params(a);
+    CHECK(r.warps_per_cta == 1);
+    CHECK(r.col_groups_per_plane == 5);
+    CHECK(r.num_ctas == (2048 / 16 + 4) * 5 * 2);
+  }
+  SUBCASE("a forced warps per CTA leaves the last group short") {
+    const kda::conv::PackedConvParams q = kda::conv::make_params(a, {4, 0, 8});
+    CHECK(q.col_groups_per_plane == 2);  // 12 blocks in groups of 8
   }
 }
 

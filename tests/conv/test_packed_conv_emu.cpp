@@ -118,6 +118,12 @@ struct HostOps {
   float fp16_to_f32(uint16_t h) const { return kda::host::fp16_to_float(h); }
   uint16_t f32_to_bf16_rn(float v) const { return kda::host::float_to_bf16(v); }
   uint16_t f32_to_fp16_rn(float v) const { return kda::host::float_to_fp16(v); }
+  uint32_t pack2_bf16_rn(float lo, float hi) const {
+    return kda::host::float_to_bf16(lo) | (static_cast<uint32_t>(kda::host::float_to_bf16(hi)) << 16);
+  }
+  uint32_t pack2_fp16_rn(float lo, float hi) const {
+    return kda::host::float_to_fp16(lo) | (static_cast<uint32_t>(kda::host::float_to_fp16(hi)) << 16);
+  }
   float silu(float acc) const { return kda::conv::silu_host_approx(acc); }
 
   uint32_t ballot(bool pred) const {
@@ -214,23 +220,28 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.state = range_of(state);
   warp.stage = range_of(warp.stage_storage);
 
-  const int64_t programs = p.num_ctas * p.warps_per_cta;  // warps past num_programs too
+  // Every (chunk program, plane, column block) of the grid, one after another on one emulated
+  // warp; each searches its chunk as the kernel's warp 0 does for its CTA.
   std::vector<std::thread> lanes;
   for (int lane = 0; lane < 32; ++lane) {
     lanes.emplace_back([&, lane] {
       HostOps ops{&warp, lane};
-      for (int64_t program = 0; program < programs; ++program) {
-        if (p.silu && p.bias) {
-          kda::conv::packed_conv_program<Traits, true, true>(p, program, lane, ops);
-        } else if (p.silu) {
-          kda::conv::packed_conv_program<Traits, true, false>(p, program, lane, ops);
-        } else if (p.bias) {
-          kda::conv::packed_conv_program<Traits, false, true>(p, program, lane, ops);
-        } else {
-          kda::conv::packed_conv_program<Traits, false, false>(p, program, lane, ops);
-        }
-        warp.barrier.wait();  // the next program starts when every lane is done with this one
-      }
+      for (int64_t chunk_program = 0; chunk_program < p.programs_per_col_block; ++chunk_program)
+        for (int64_t plane = 0; plane < p.planes; ++plane)
+          for (int64_t col = 0; col < p.cols_per_plane; ++col) {
+            const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, chunk_program, lane, ops);
+            warp.barrier.wait();  // the search's ballots are done before the body's
+            if (p.silu && p.bias) {
+              kda::conv::packed_conv_program<Traits, true, true>(p, pc, plane, col, lane, ops);
+            } else if (p.silu) {
+              kda::conv::packed_conv_program<Traits, true, false>(p, pc, plane, col, lane, ops);
+            } else if (p.bias) {
+              kda::conv::packed_conv_program<Traits, false, true>(p, pc, plane, col, lane, ops);
+            } else {
+              kda::conv::packed_conv_program<Traits, false, false>(p, pc, plane, col, lane, ops);
+            }
+            warp.barrier.wait();  // the next program starts when every lane is done with this one
+          }
     });
   }
   for (auto& t : lanes) t.join();
