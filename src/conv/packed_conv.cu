@@ -106,7 +106,7 @@ struct DeviceOps {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
-  __device__ __forceinline__ float silu(float acc) const { return silu_stock_folded(acc); }
+  __device__ __forceinline__ float silu(float acc) const { return silu_stock_fast(acc); }
 
   __device__ __forceinline__ uint32_t ballot(bool pred) const {
     return __ballot_sync(0xFFFFFFFFu, pred);

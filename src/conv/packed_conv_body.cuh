@@ -10,7 +10,7 @@
 //   float from_bits(uint32_t b)            uint32_t to_bits(float v)
 //   float fp16_to_f32(uint16_t h)          uint16_t f32_to_bf16_rn(float)   uint16_t f32_to_fp16_rn(float)
 //   uint32_t pack2_bf16_rn(float lo, float hi)   uint32_t pack2_fp16_rn(float lo, float hi)
-//   float silu(float acc)                  (device: silu_stock_folded; CPU: silu_host_approx)
+//   float silu(float acc)                  (device: silu_stock_fast; CPU: silu_host_approx)
 //   uint32_t ballot(bool pred)             void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
 //

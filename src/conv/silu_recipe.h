@@ -59,22 +59,30 @@ __device__ __forceinline__ float silu_stock(float acc) {
   return y;
 }
 
-// silu_stock with its first two steps folded into one multiply: t = acc * -log2e instead of
-// t = (0 - acc) * log2e. Same bits for every acc: for acc not +-0 and not NaN, 0 - acc = -acc
-// exactly and round-to-nearest-even is symmetric, so fl(-acc * log2e) = fl(acc * -log2e); for
-// acc = +-0 the two t are +-0 and ex2 gives 1 for both (y = acc / 2 depends on acc alone); for
-// a NaN acc, t, e, d and y are NaN either way (the GPU's fp32 NaN results are the canonical NaN
-// whatever the operands' signs). The packed kernel uses this form (one instruction fewer per
-// element); the stock-path baseline keeps the literal recipe, so the bit-exact tests compare
-// the two.
-__device__ __forceinline__ float silu_stock_folded(float acc) {
+// silu_stock with the same bits for every fp32 input, in fewer instructions; the packed kernel
+// uses it, the stock-path baseline keeps the literal recipe, and test_packed_conv_gpu compares
+// the two over all 2^32 inputs on the device.
+//  - t = acc * -log2e instead of (0 - acc) * log2e: for acc not +-0 and not NaN, 0 - acc = -acc
+//    exactly and round-to-nearest-even is symmetric; for acc = +-0 both t are +-0 and ex2 gives 1
+//    (y = acc / 2 depends on acc alone); a NaN acc gives NaN either way (the GPU's fp32 NaN
+//    results are the canonical NaN).
+//  - div.full.f32 as ptxas expands it for sm_90 (nvcc 13.0): operands scaled by 1/4 when
+//    |d| > 2^126, scaled by 2^24 when |d| < 2^-126, then a * rcp.approx(d). Here d = e + 1 with
+//    e = 2^t >= 0, so d >= 1 or d is NaN, and the 2^-126 branch never runs (its test is false
+//    for NaN too); what remains is spelled out.
+__device__ __forceinline__ float silu_stock_fast(float acc) {
   const float t = __fmul_rn(acc, -kLog2e);
   float e;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
-  const float d = __fadd_rn(e, 1.0f);
-  float y;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(acc), "f"(d));
-  return y;
+  float d = __fadd_rn(e, 1.0f);
+  float a = acc;
+  if (fabsf(d) > 8.50705917302346158658e+37f) {  // 2^126
+    d = __fmul_rn(d, 0.25f);
+    a = __fmul_rn(a, 0.25f);
+  }
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return __fmul_rn(r, a);
 }
 
 // Stores of an fp32 result into the output dtype, rounding to nearest even.

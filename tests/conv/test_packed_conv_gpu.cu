@@ -33,6 +33,7 @@
 #include "common/half_host.h"
 #include "conv/conv_params.h"
 #include "conv/conv_reference.h"
+#include "conv/silu_recipe.h"
 #include "conv/stock_conv.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -616,6 +617,67 @@ std::vector<int32_t> random_lengths(Rng& rng, int64_t max_seqs, int64_t token_bu
 }
 
 }  // namespace
+
+// silu_stock_fast (the packed kernel's) against silu_stock (the baseline's literal recipe) on
+// every input in [begin, begin + count * step) with the given step; kVariant 1 is a deliberately
+// wrong fast form (no range scaling before rcp), which the comparison must catch.
+template <int kVariant>
+__global__ void silu_forms_diff_kernel(uint64_t begin, uint64_t count, uint64_t step,
+                                       unsigned long long* mismatches, unsigned int* first_bad) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < count;
+       i += uint64_t{gridDim.x} * blockDim.x) {
+    const uint32_t bits = static_cast<uint32_t>(begin + i * step);
+    const float acc = __uint_as_float(bits);
+    float fast;
+    if constexpr (kVariant == 0) {
+      fast = kda::conv::silu_stock_fast(acc);
+    } else {
+      float e;
+      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(acc, -kda::conv::kLog2e)));
+      float r;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(__fadd_rn(e, 1.0f)));
+      fast = __fmul_rn(r, acc);
+    }
+    if (__float_as_uint(fast) != __float_as_uint(kda::conv::silu_stock(acc))) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first_bad, bits);
+    }
+  }
+}
+
+template <int kVariant>
+std::pair<uint64_t, uint32_t> silu_forms_diff(uint64_t step) {
+  DeviceBuffer counter(sizeof(unsigned long long)), first(sizeof(unsigned int));
+  counter.fill_bytes(0);
+  first.fill_bytes(0xFF);
+  const uint64_t count = (uint64_t{1} << 32) / step;
+  silu_forms_diff_kernel<kVariant><<<132 * 16, 256>>>(0, count, step, counter.as<unsigned long long>(),
+                                                      first.as<unsigned int>());
+  KDA_TEST_CUDA(cudaGetLastError());
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
+  unsigned long long n = 0;
+  unsigned int f = 0;
+  counter.download(&n, sizeof n);
+  first.download(&f, sizeof f);
+  return {n, f};
+}
+
+TEST_CASE("the packed kernel's SiLU form gives the stock recipe's bits for every fp32 input") {
+  // All 2^32 inputs (every 61st under KDA_TEST_QUICK: compute-sanitizer is slow). 61 is odd, so
+  // the sample still meets every exponent and both signs.
+  const uint64_t step = quick() ? 61 : 1;
+  const auto [bad, first_bad] = silu_forms_diff<0>(step);
+  MESSAGE("silu_stock_fast vs silu_stock over " << (uint64_t{1} << 32) / step << " fp32 inputs: " << bad
+                                                << " differ");
+  CHECK(bad == 0);
+  if (bad) MESSAGE("first differing input bits 0x" << std::hex << first_bad);
+  // The comparison has the power to fail: without the range scaling (inputs below about -87.3)
+  // the results differ.
+  const auto [wrong, wrong_first] = silu_forms_diff<1>(step);
+  MESSAGE("a fast form without the range scaling: " << wrong << " inputs differ (first 0x" << std::hex
+                                                     << wrong_first << ")");
+  CHECK(wrong > 0);
+}
 
 TEST_CASE("the packed conv equals the stock path bit for bit over part_dim, dtype and layout variants") {
   Rng rng = rng_for("matrix");
