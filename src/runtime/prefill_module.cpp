@@ -158,10 +158,12 @@ struct PrefillModule::Impl {
   DeviceAlloc g1_buf, g2_buf, o_buf, y_buf;
   DeviceAlloc chunked_workspace;  // kda_chunked's per-chunk records (runtime.recurrence: chunked)
   std::vector<DeviceAlloc> conv_pools, rec_pools;
-  // Host staging, double-buffered: staging_done[h] is recorded after the copy out of half h, so
-  // refilling half h waits only for the copy two forwards back.
-  PinnedAlloc staging_host[2];
-  Event staging_done[2];
+  // Host staging, a ring of kHostStagingSlots: staging_done[h] is recorded after the copy out of
+  // slot h, so refilling slot h waits only for the copy kHostStagingSlots forwards back, and the
+  // host may run that many forwards ahead of the GPU without blocking in begin_forward.
+  static constexpr int kHostStagingSlots = 4;
+  PinnedAlloc staging_host[kHostStagingSlots];
+  Event staging_done[kHostStagingSlots];
   int staging_next = 0;
   PinnedAlloc padding_slot;  // one slot of an all-padding batch: every sequence empty
 
@@ -534,7 +536,7 @@ void PrefillModule::Impl::stage(const BatchView& batch, cudaStream_t stream) {
 
   const int h = staging_next;
   char* host = staging_host[h].get();
-  // The copy out of this half two forwards ago must be done before it is overwritten.
+  // The copy out of this slot kHostStagingSlots forwards ago must be done before it is overwritten.
   KDA_CUDA_CHECK(fn, cudaEventSynchronize(staging_done[h].get()));
   for (std::size_t w = 0; w < next_windows.size(); ++w)
     detail::fill_window_staging(batch, next_windows[w], config, staging, host + w * staging.slot_bytes);
@@ -542,7 +544,7 @@ void PrefillModule::Impl::stage(const BatchView& batch, cudaStream_t stream) {
     KDA_CUDA_CHECK(fn, cudaMemcpyAsync(staging_dev.get(), host, next_windows.size() * staging.slot_bytes,
                                        cudaMemcpyHostToDevice, stream));
     KDA_CUDA_CHECK(fn, cudaEventRecord(staging_done[h].get(), stream));
-    staging_next = 1 - h;
+    staging_next = (h + 1) % kHostStagingSlots;
   }
   windows.swap(next_windows);
   batch_staged = true;
