@@ -36,7 +36,16 @@
 #include "kda/config.h"
 #include "kda/packed_conv.h"  // kda::Stream, kda::DType
 
+// NCCL's communicator handle, declared exactly as nccl.h declares it, so that this header needs
+// no nccl.h (and compiles where NCCL is not installed).
+struct ncclComm;
+typedef struct ncclComm* ncclComm_t;
+
 namespace kda {
+
+// True when the library was built with NCCL (meson option nccl): only then can a module
+// all-reduce the tensor-parallel ranks' outputs itself (PrefillModule::set_communicator).
+bool nccl_available();
 
 // One forward's batch metadata, in host memory; not retained after begin_forward returns.
 // Sequence s owns rows [query_start_loc[s], query_start_loc[s+1]) of hidden_states().
