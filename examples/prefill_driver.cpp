@@ -233,8 +233,9 @@ Timing time_forwards(kda::PrefillModule& m, const HostBatch& batch, int iters, c
   return t;
 }
 
-// ---- --tp N: tensor-parallel ranks against a TP = 1 run ----
+// ---- --tp N: tensor-parallel ranks against a TP = 1 run (needs NCCL in the build) ----
 
+#if KDA_HAVE_NCCL
 void cuda_try(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
 }
@@ -382,7 +383,6 @@ class PhaseBarrier {
   bool result_ = true;
 };
 
-#if KDA_HAVE_NCCL
 // Runs the config's model as `opt.tp` ranks, rank r on GPU r in its own host thread with its own
 // module (tensor_parallel {N, r}, model.num_heads / N heads) and the communicator of GPU r, and
 // compares with a TP = 1 module of the same full weights on GPU 0:
