@@ -716,6 +716,10 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
     dev[i] = dst;
     dst += (stored + 255) / 256 * 256;
   }
+  // The padding cudaMemset is asynchronous, and a pageable cudaMemcpy may return before its DMA
+  // is done; both run on the legacy stream, which a caller's non-blocking stream does not wait
+  // for. Wait here so that the weights are in place when this returns, as documented.
+  KDA_CUDA_CHECK(fn, cudaDeviceSynchronize());
   LayerWeights w;
   w.in_proj = dev[0];
   w.in_proj_rows = m.in_stride;
