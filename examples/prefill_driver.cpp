@@ -247,9 +247,12 @@ std::vector<T> download_vec(const void* p, int64_t count) {
   return v;
 }
 
+// Waits for the device too: a pageable cudaMemcpy may return before its DMA is done, and the
+// modules' non-blocking streams do not wait for the legacy stream it runs on.
 template <typename T>
 void upload_vec(void* dst, const std::vector<T>& v) {
   if (!v.empty()) cuda_try(cudaMemcpy(dst, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
+  cuda_try(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
 // One layer's weights of the module's model, read back from the device as host tensors.

@@ -45,9 +45,13 @@ std::vector<T> download(const void* p, int64_t count) {
   return v;
 }
 
+// The modules run on non-blocking streams, which do not wait for the legacy stream that
+// cudaMemcpy / cudaMemset use, and a pageable cudaMemcpy may return before its DMA is done: wait
+// for the device after each.
 template <typename T>
 void upload(void* dst, const std::vector<T>& v) {
   KDA_TEST_CUDA(cudaMemcpy(dst, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
 }
 
 // The full model: 8 heads, so that TP 2 and 4 give every rank 4 or 2 whole heads.
@@ -155,6 +159,7 @@ void poison_output(PrefillModule& m) {
   const kda::Config& c = m.config();
   KDA_TEST_CUDA(cudaMemset(const_cast<void*>(m.output()), 0xFF,
                            static_cast<std::size_t>(c.runtime.batch_token_capacity() * c.model.hidden_size) * 2));
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
 }
 
 struct Comparison {
