@@ -82,7 +82,7 @@ GraphCache::Entry* GraphCache::capture(const GraphKey& key, uint64_t version, co
   KDA_CUDA_CHECK(fn, cudaGraphGetNodes(recorded.graph, nullptr, &nodes));
 
   auto it = entries_.find(key);
-  if (it != entries_.end()) {
+  if (it != entries_.end() && exec_update_) {
     Entry& e = *it->second;
     cudaGraphExecUpdateResultInfo info{};
     if (cudaGraphExecUpdate(e.exec, recorded.graph, &info) == cudaSuccess) {

@@ -53,7 +53,8 @@ class GraphCache {
   bool contains_any(const GraphKey& key) const { return entries_.count(key) != 0; }
 
   // Records `record` into a graph and makes it the key's graph at `version`; returns it.
-  // When the key holds a stale graph, tries cudaGraphExecUpdate first, then re-instantiates.
+  // When the key holds a stale graph, tries cudaGraphExecUpdate first (unless set_exec_update
+  // turned it off), then re-instantiates.
   // On failure (record throws, the capture is invalidated, instantiation fails) the capture is
   // ended and discarded, no stream is left capturing, the key keeps what it held, and
   // kda::Error is thrown (record's own exception is rethrown as is).
@@ -66,11 +67,17 @@ class GraphCache {
 
   std::size_t size() const { return entries_.size(); }
 
+  // Whether capture() may refresh a stale graph with cudaGraphExecUpdate (default true). Graphs
+  // holding NCCL work must be instantiated anew instead: NCCL does not support updates of its
+  // captured nodes, and its per-capture resources belong to the graph they were recorded into.
+  void set_exec_update(bool allowed) { exec_update_ = allowed; }
+
   // One BucketStats per graph, in key order. Waits for the replays it has timed.
   std::vector<BucketStats> stats();
 
  private:
   cudaStream_t capture_stream_ = nullptr;
+  bool exec_update_ = true;
   std::map<GraphKey, std::unique_ptr<Entry>> entries_;
 };
 

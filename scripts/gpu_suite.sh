@@ -2,15 +2,15 @@
 # The GPU job: build, GPU tests, compute-sanitizer, benchmarks and the driver, on a machine with
 # an NVIDIA Hopper GPU. Logs and tables go to $OUT (default /tmp/kda-gpu-out); a summary is
 # printed last.
-#   scripts/gpu_suite.sh [info] [build] [test] [sanitize] [bench] [steps] [profile] [driver]
-#   (default: info build test sanitize bench driver)
+#   scripts/gpu_suite.sh [info] [build] [test] [sanitize] [bench] [steps] [profile] [driver] [tp]
+#   (default: info build test sanitize bench driver tp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kda-gpu-out}
 mkdir -p "$OUT"
 build=${BUILD_DIR:-build-gpu}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(info build test sanitize bench driver)
+[ ${#stages[@]} -eq 0 ] && stages=(info build test sanitize bench driver tp)
 export PATH=/usr/local/cuda/bin:$PATH
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
@@ -93,7 +93,23 @@ for stage in "${stages[@]}"; do
       tail -25 "$OUT/driver.log"
       note "driver --check rc $rc"
       ;;
-    *) echo "gpu_suite.sh: unknown stage \"$stage\" (info build test sanitize bench steps profile driver)"; exit 2 ;;
+    tp)
+      # Tensor parallelism: the driver's ranks against TP = 1, on as many GPUs as there are (1, 2,
+      # 4). NVLink multicast stays off (the driver also sets it when unset). TP_CONFIG picks the
+      # whole-model config (its heads must divide by the rank count).
+      gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+      : > "$OUT/tp.log"
+      for n in 1 2 4; do
+        [ "$n" -le "$gpus" ] || continue
+        echo "---- --tp $n" >> "$OUT/tp.log"
+        NCCL_NVLS_ENABLE=0 timeout "${DRIVER_TIMEOUT:-300}" "$build/examples/prefill_driver" \
+          --config "${TP_CONFIG:-configs/kimi-linear-48b-tp1.yaml}" --tp "$n" --check >> "$OUT/tp.log" 2>&1
+        rc=$?
+        note "driver --tp $n rc $rc"
+      done
+      tail -40 "$OUT/tp.log"
+      ;;
+    *) echo "gpu_suite.sh: unknown stage \"$stage\" (info build test sanitize bench steps profile driver tp)"; exit 2 ;;
   esac
 done
 echo

@@ -21,9 +21,11 @@ pools: {cache_lines: 65}
     args.num_tokens = cfg.runtime.largest_bucket();
     std::string why;
     bool ok = kda::packed_causal_conv1d_supported(args, &why);
-    std::printf("kda-prefill consumer: P = %lld, W_in = %lld; conv with null pointers supported: %s (%s)\n",
+    std::printf("kda-prefill consumer: P = %lld, W_in = %lld; conv with null pointers supported: %s (%s); "
+                "built with NCCL: %s\n",
                 static_cast<long long>(cfg.model.part_dim()),
-                static_cast<long long>(cfg.model.in_proj_cols()), ok ? "yes" : "no", why.c_str());
+                static_cast<long long>(cfg.model.in_proj_cols()), ok ? "yes" : "no", why.c_str(),
+                kda::nccl_available() ? "yes" : "no");
     return ok ? 1 : 0;  // null pointers must be refused
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "kda-prefill consumer: %s\n", e.what());

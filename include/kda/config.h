@@ -67,7 +67,8 @@ struct PoolConfig {
 
 // Tensor parallelism: this module runs rank `rank` of `size` ranks; model.num_heads is the heads
 // on this rank (the full model has num_heads x size). The ranks' layer outputs must be summed
-// (o_proj is row-parallel); runtime/tp_shard.h cuts a full layer's weights and pools.
+// (o_proj is row-parallel): by the module's NCCL all-reduce (PrefillModule::set_communicator) or
+// by the caller (set_partial_output). runtime/tp_shard.h cuts a full layer's weights and pools.
 struct TensorParallelConfig {
   int64_t size = 1;  //                                                       (tensor_parallel.size)
   int64_t rank = 0;  //                                                       (tensor_parallel.rank)

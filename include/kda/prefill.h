@@ -5,9 +5,10 @@
 // and recurrent-state pools, batch-metadata staging (pinned host + device) and the cuBLASLt
 // workspace. Per (token bucket, layer, window) it records the layer's steps (in_proj GEMM,
 // packed conv, and with runtime.layer_steps: full the gate GEMMs, the gated delta-rule
-// recurrence, the gated RMSNorm and o_proj into output(); then the steps added with add_step)
-// into a CUDA graph, and replays it for every batch that fits the bucket with the new
-// query_start_loc, cache lines and flags.
+// recurrence, the gated RMSNorm and o_proj into output(), then the tensor-parallel all-reduce
+// when a communicator is set; then the steps added with add_step) into a CUDA graph, and
+// replays it for every batch that fits the bucket with the new query_start_loc, cache lines
+// and flags.
 //
 // Threading: a module is driven from one host thread at a time and its work is ordered on the
 // stream given to begin_forward/run_layer; use one stream per module (the device-side metadata
@@ -36,7 +37,16 @@
 #include "kda/config.h"
 #include "kda/packed_conv.h"  // kda::Stream, kda::DType
 
+// NCCL's communicator handle, declared exactly as nccl.h declares it, so that this header needs
+// no nccl.h (and compiles where NCCL is not installed).
+struct ncclComm;
+typedef struct ncclComm* ncclComm_t;
+
 namespace kda {
+
+// True when the library was built with NCCL (meson option nccl): only then can a module
+// all-reduce the tensor-parallel ranks' outputs itself (PrefillModule::set_communicator).
+bool nccl_available();
 
 // One forward's batch metadata, in host memory; not retained after begin_forward returns.
 // Sequence s owns rows [query_start_loc[s], query_start_loc[s+1]) of hidden_states().
@@ -115,7 +125,7 @@ struct ModuleStats {
 };
 
 struct StepTiming {
-  std::string name;   // "in_proj GEMM", "packed conv", ..., "user step 0"
+  std::string name;   // "in_proj GEMM", "packed conv", ..., "o_proj GEMM", "all-reduce", "user step 0"
   double gpu_us = 0;  // summed over the batch's windows
 };
 
@@ -165,6 +175,37 @@ class PrefillModule {
   // Appends a step after the built-in ones. Only before the first forward (graphs record the
   // step list); throws afterwards.
   void add_step(Step step);
+
+  // Tensor parallelism (config.tensor_parallel). A rank's module holds its own heads
+  // (model.num_heads is per rank) and writes its partial o_proj sum into output(); o_proj is
+  // row-parallel, so the ranks' outputs must be summed. There are two ways to get that sum, chosen
+  // before the first forward:
+  //  - set_communicator(comm): the module sums the outputs itself. ncclAllReduce (bf16, sum, in
+  //    place on output() rows [0, bucket) of each window, on the module's stream) runs as the last
+  //    built-in step, after o_proj and before the user steps. It is recorded into the same
+  //    per-bucket graphs, and it also runs in eager runs, self_check and profile_steps (step name
+  //    "all-reduce"). comm is the server's NCCL communicator of the tensor-parallel group: its
+  //    size and rank must equal tensor_parallel.size and .rank, and its device must be the
+  //    module's. The module does not own comm and never destroys it, but comm must outlive the
+  //    module because recorded graphs hold NCCL resources. With size 1 the all-reduce is recorded
+  //    too, and NCCL makes it an identity.
+  //  - set_partial_output(true): no all-reduce, and output() holds this rank's partial sum. This
+  //    is for servers that reduce the outputs themselves, and for tests. It takes precedence over
+  //    a communicator; false (the default) undoes it.
+  // With tensor_parallel.size > 1 and runtime.layer_steps: full, one of the two is required: the
+  // first begin_forward (and so run, self_check and profile_steps) throws otherwise. With
+  // layer_steps: conv there is no layer output to sum: set_communicator throws and
+  // set_partial_output has no effect. Both throw after the first forward (graphs record the step
+  // list), and when they throw nothing changes. set_communicator also throws when the library was
+  // built without NCCL (nccl_available()).
+  //
+  // The all-reduce is an NCCL collective, and NCCL requires every rank to capture and launch the
+  // matching graphs. So every rank's module must be driven the same way: the same config apart
+  // from the rank, the same batches, and the same calls in the same order (run / run_layer,
+  // set_eager, weight changes that re-record graphs, self_check, profile_steps). One host thread
+  // or process per rank; NCCL may deadlock when one thread drives several ranks' graphs.
+  void set_communicator(ncclComm_t comm);
+  void set_partial_output(bool partial);
 
   // Validates the batch on the host (throws and changes nothing on error), picks the bucket or
   // splits it into windows of the largest bucket, stages all metadata with one async copy.

@@ -20,6 +20,7 @@
 #include "runtime/batch_plan.h"
 #include "runtime/inproj_gemm.h"
 #include "runtime/random_weights.h"
+#include "runtime/tp_comm.h"
 
 namespace kda {
 
@@ -138,6 +139,7 @@ struct PrefillModule::Impl {
 
   // Shapes, fixed at construction.
   Config config;
+  int device = 0;  // the CUDA device everything is allocated on
   int num_layers = 0;
   int64_t D = 0, P = 0, H = 0, in_cols = 0, in_stride = 0;
   int64_t f_a_col = 0, g_a_col = 0;  // first columns of f_a and g_a in the in_proj output
@@ -185,6 +187,13 @@ struct PrefillModule::Impl {
 
   std::vector<Step> builtin_steps, user_steps;
   std::vector<const char*> builtin_names;  // one per built-in step, for profile_steps
+  // Tensor parallelism: the server's communicator (not owned) and the partial-output switch.
+  // Both are fixed from the first forward on, so every recorded graph and eager run has the
+  // same step list.
+  ncclComm_t comm = nullptr;
+  bool partial_output = false;
+  Step all_reduce_step;  // in place on ctx.out rows [0, bucket_tokens)
+  bool all_reduce_active() const { return full_layer() && comm != nullptr && !partial_output; }
   std::vector<detail::WindowPlan> windows, next_windows;
   bool batch_staged = false;
   bool forward_started = false;
@@ -197,6 +206,11 @@ struct PrefillModule::Impl {
 
   bool graphs_active() const { return config.runtime.use_graphs && !eager; }
   void check_layer(int layer, const char* fn) const;
+  void check_tp_ready(const char* fn) const;
+  // Calls f(name, step) for every step in recorded order: built-ins, the all-reduce when active,
+  // then user steps.
+  template <typename F>
+  void for_each_step(F&& f) const;
   void check_layer_ready(int layer, const char* fn) const;
 
   StepContext make_context(int layer, int window, int64_t bucket, const char* slot) const;
@@ -231,7 +245,6 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   conv_pool_bytes = static_cast<std::size_t>(cache_lines * 3 * P * 3) * sizeof(float);
   rec_pool_bytes = static_cast<std::size_t>(cache_lines * H * m.head_dim * m.head_dim) * sizeof(float);
 
-  int device = 0;
   KDA_CUDA_CHECK(fn, cudaGetDevice(&device));
 
   hidden = DeviceAlloc(static_cast<std::size_t>(padded_rows * D) * 2, "hidden states");
@@ -352,6 +365,21 @@ void PrefillModule::Impl::check_layer(int layer, const char* fn) const {
             num_layers - 1);
 }
 
+void PrefillModule::Impl::check_tp_ready(const char* fn) const {
+  const TensorParallelConfig& tp = config.tensor_parallel;
+  KDA_CHECK(tp.size == 1 || !full_layer() || comm != nullptr || partial_output, fn, "tensor_parallel.size is ",
+            tp.size, " (rank ", tp.rank, ") with runtime.layer_steps: full, so the ranks' partial o_proj outputs ",
+            "must be summed: call set_communicator with the tensor-parallel group's NCCL communicator, or ",
+            "set_partial_output(true) to sum them yourself, before the first forward");
+}
+
+template <typename F>
+void PrefillModule::Impl::for_each_step(F&& f) const {
+  for (std::size_t i = 0; i < builtin_steps.size(); ++i) f(std::string(builtin_names[i]), builtin_steps[i]);
+  if (all_reduce_active()) f(std::string("all-reduce"), all_reduce_step);
+  for (std::size_t i = 0; i < user_steps.size(); ++i) f("user step " + std::to_string(i), user_steps[i]);
+}
+
 void PrefillModule::Impl::check_layer_ready(int layer, const char* fn) const {
   check_layer(layer, fn);
   KDA_CHECK(has_weights[layer], fn, "layer ", layer,
@@ -458,11 +486,16 @@ void PrefillModule::Impl::build_builtin_steps() {
     o_proj_gemm->run(ctx.bucket_tokens, y_buf.get(), ctx.weights->o_proj, ctx.out, gemm_workspace.get(),
                      gemm_workspace.bytes(), stream);
   });
+  // (8) with a communicator: the sum of the ranks' outputs, in place over the bucket's rows
+  // (every rank runs the same batch, so the same bucket and element count). Rows past the batch
+  // and rows of skipped sequences are summed too; they hold unspecified values either way.
+  all_reduce_step = [this](const StepContext& ctx, Stream stream) {
+    detail::all_reduce_sum_bf16(ctx.out, ctx.bucket_tokens * D, comm, stream, "kda::PrefillModule (all-reduce step)");
+  };
 }
 
 void PrefillModule::Impl::run_steps(const StepContext& ctx, cudaStream_t stream) const {
-  for (const Step& s : builtin_steps) s(ctx, stream);
-  for (const Step& s : user_steps) s(ctx, stream);
+  for_each_step([&](const std::string&, const Step& s) { s(ctx, stream); });
 }
 
 void PrefillModule::Impl::run_window(int layer, int window, Mode mode, cudaStream_t stream) {
@@ -527,6 +560,7 @@ void PrefillModule::Impl::capture_eager_graphs(cudaStream_t stream) {
 
 void PrefillModule::Impl::stage(const BatchView& batch, cudaStream_t stream) {
   constexpr const char* fn = "kda::PrefillModule::begin_forward";
+  check_tp_ready(fn);
   validator.validate(batch);  // throws, changing nothing, on bad input
   detail::plan_windows(batch, config, next_windows);
   if (graphs_active() && config.runtime.capture == CaptureMode::Eager && !eager_graphs_current) {
@@ -597,19 +631,9 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
   has_weights[layer] = true;
 }
 
-namespace {
-// What the module cannot run yet, refused before anything is created on the device.
-void check_module_supports(const Config& config) {
-  KDA_CHECK(config.tensor_parallel.size == 1 || config.runtime.layer_steps != LayerSteps::Full,
-            "kda::PrefillModule::PrefillModule", "tensor_parallel.size ", config.tensor_parallel.size,
-            " is not supported for runtime.layer_steps: full: the all-reduce of the ranks' layer outputs "
-            "is not implemented yet (size 1, or layer_steps: conv, run)");
-}
-}  // namespace
-
 // The config is validated before anything is created on the device.
 PrefillModule::PrefillModule(const Config& config)
-    : impl_((validate_config(config), check_module_supports(config), std::make_unique<Impl>(config))) {}
+    : impl_((validate_config(config), std::make_unique<Impl>(config))) {}
 PrefillModule::~PrefillModule() = default;
 
 const Config& PrefillModule::config() const { return impl_->config; }
@@ -694,6 +718,10 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
     dev[i] = dst;
     dst += (stored + 255) / 256 * 256;
   }
+  // The padding cudaMemset is asynchronous, and a pageable cudaMemcpy may return before its DMA
+  // is done; both run on the legacy stream, which a caller's non-blocking stream does not wait
+  // for. Wait here so that the weights are in place when this returns, as documented.
+  KDA_CUDA_CHECK(fn, cudaDeviceSynchronize());
   LayerWeights w;
   w.in_proj = dev[0];
   w.in_proj_rows = m.in_stride;
@@ -712,20 +740,22 @@ std::vector<StepTiming> PrefillModule::profile_steps(const BatchView& batch, int
   Impl& m = *impl_;
   m.check_layer_ready(layer, fn);
   begin_forward(batch, stream);
-  const std::size_t n = m.builtin_steps.size() + m.user_steps.size();
+  std::vector<StepTiming> out;
+  std::vector<const Step*> steps;
+  m.for_each_step([&](const std::string& name, const Step& step) {
+    out.push_back(StepTiming{name, 0.0});
+    steps.push_back(&step);
+  });
+  const std::size_t n = steps.size();
   std::vector<cudaEvent_t> events(n + 1);
   for (auto& e : events) KDA_CUDA_CHECK(fn, cudaEventCreate(&e));
-  std::vector<StepTiming> out(n);
-  for (std::size_t i = 0; i < n; ++i)
-    out[i].name = i < m.builtin_names.size() ? m.builtin_names[i] : "user step " + std::to_string(i - m.builtin_names.size());
   try {
     for (int w = 0; w < static_cast<int>(m.windows.size()); ++w) {
       const StepContext ctx = m.make_context(layer, w, m.windows[w].bucket,
                                              m.staging_dev.get() + w * m.staging.slot_bytes);
       KDA_CUDA_CHECK(fn, cudaEventRecord(events[0], stream));
       for (std::size_t i = 0; i < n; ++i) {
-        const Step& step = i < m.builtin_steps.size() ? m.builtin_steps[i] : m.user_steps[i - m.builtin_steps.size()];
-        step(ctx, stream);
+        (*steps[i])(ctx, stream);
         KDA_CUDA_CHECK(fn, cudaEventRecord(events[i + 1], stream));
       }
       KDA_CUDA_CHECK(fn, cudaEventSynchronize(events[n]));
@@ -755,6 +785,28 @@ void PrefillModule::add_step(Step step) {
   KDA_CHECK(!impl_->forward_started, fn,
             "steps must be added before the first forward: graphs record the step list");
   impl_->user_steps.push_back(std::move(step));
+}
+
+void PrefillModule::set_communicator(ncclComm_t comm) {
+  constexpr const char* fn = "kda::PrefillModule::set_communicator";
+  Impl& m = *impl_;
+  KDA_CHECK(m.full_layer(), fn, "runtime.layer_steps is conv: the module writes no layer output, so there is ",
+            "nothing to all-reduce");
+  KDA_CHECK(!m.forward_started, fn,
+            "the communicator must be set before the first forward: graphs record the all-reduce");
+  // Throws without NCCL, for a null communicator and when NCCL cannot query it.
+  const detail::CommunicatorShape shape = detail::communicator_shape(comm, fn);
+  detail::check_communicator_matches(m.config.tensor_parallel, shape, m.device, fn);
+  m.comm = comm;
+  // NCCL's captured nodes cannot be updated in place (see GraphCache::set_exec_update).
+  m.graphs.set_exec_update(false);
+}
+
+void PrefillModule::set_partial_output(bool partial) {
+  constexpr const char* fn = "kda::PrefillModule::set_partial_output";
+  KDA_CHECK(!impl_->forward_started, fn,
+            "the partial-output switch must be set before the first forward: graphs record the step list");
+  impl_->partial_output = partial;
 }
 
 void PrefillModule::begin_forward(const BatchView& batch, Stream stream) {

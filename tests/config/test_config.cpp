@@ -705,6 +705,28 @@ TEST_CASE("tensor_parallel is optional, and its rank must lie inside its size") 
             "tensor_parallel.ranks: unknown key") != std::string::npos);
 }
 
+TEST_CASE("tensor_parallel size and rank are checked together, in files and in code") {
+  // A rank without a size is a rank of one: only 0 is valid.
+  CHECK_THROWS_WITH_AS(kda::parse_config(std::string(kMinimal) + "tensor_parallel: {rank: 1}\n", "x.yaml"),
+                       doctest::Contains("x.yaml:8: tensor_parallel.rank: 1 is outside [0, 1); tensor_parallel.size is 1"),
+                       kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(std::string(kMinimal) + "tensor_parallel: {size: 2, rank: -1}\n", "x.yaml"),
+                       doctest::Contains("tensor_parallel.rank: -1 is outside [0, 2)"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(std::string(kMinimal) + "tensor_parallel: {size: 65}\n", "x.yaml"),
+                       doctest::Contains("tensor_parallel.size: 65 is outside [1, 64]"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(std::string(kMinimal) + "tensor_parallel: {size: 2.0}\n", "x.yaml"),
+                       doctest::Contains("tensor_parallel.size: expected an integer"), kda::Error);
+  kda::Config c = code_config();
+  c.tensor_parallel.size = 8;
+  c.tensor_parallel.rank = 7;
+  CHECK_NOTHROW(kda::validate_config(c));
+  c.tensor_parallel.rank = 8;
+  CHECK(validate_error(c) == "tensor_parallel.rank: 8 is outside [0, 8); tensor_parallel.size is 8");
+  c.tensor_parallel.size = -2;
+  c.tensor_parallel.rank = 0;
+  CHECK(validate_error(c).find("tensor_parallel.size: -2 is outside [1, 64]") == 0);
+}
+
 TEST_CASE("validate_config prefixes source and line when key_lines has the path") {
   kda::Config c = code_config();
   c.runtime.token_buckets = {16, 8};

@@ -5,7 +5,6 @@
 #include <vector>
 
 #include "kda/error.h"
-#include "kda/prefill.h"
 #include "runtime/tp_shard.h"
 
 namespace {
@@ -146,17 +145,4 @@ TEST_CASE("sharding refuses heads that do not divide, ranks out of range and wro
                        doctest::Contains("o_proj has 8191 elements, expected 8192"), kda::Error);
   CHECK_THROWS_WITH_AS(kda::detail::shard_conv_pool(m, std::vector<float>(10), 3, 2, 0),
                        doctest::Contains("the conv-state pool has 10 elements"), kda::Error);
-}
-
-TEST_CASE("a module refuses tensor parallelism for the whole layer before touching the GPU") {
-  kda::Config c;
-  c.model.hidden_size = 256;
-  c.model.num_heads = 2;
-  c.runtime.token_buckets = {16};
-  c.pools.cache_lines = 4;
-  c.tensor_parallel.size = 2;
-  c.tensor_parallel.rank = 1;
-  CHECK_THROWS_WITH_AS(kda::PrefillModule{c},
-                       doctest::Contains("tensor_parallel.size 2 is not supported for runtime.layer_steps: full"),
-                       kda::Error);
 }
