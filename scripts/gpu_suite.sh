@@ -22,7 +22,15 @@ for stage in "${stages[@]}"; do
       ;;
     build)
       start=$SECONDS
-      { [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dptxas_verbose=true; } > "$OUT/build.log" 2>&1
+      # nccl.h: the toolkit's or the system's; else the first one found elsewhere (a Python
+      # wheel's, next to a system libnccl), so the tensor-parallel paths get built.
+      nccl_inc=
+      if [ ! -f /usr/local/cuda/include/nccl.h ] && [ ! -f /usr/include/nccl.h ]; then
+        h=$(find / -xdev -name nccl.h -path '*include*' 2>/dev/null | head -1)
+        [ -n "$h" ] && nccl_inc="-Dnccl_include=$(dirname "$h")"
+      fi
+      { [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release -Dptxas_verbose=true $nccl_inc; } > "$OUT/build.log" 2>&1
+      note "build: $(grep -E 'NCCL \(tensor' "$OUT/build.log" | head -1 | sed 's/^ *//')"
       if ninja -C "$build" -j "$(nproc)" >> "$OUT/build.log" 2>&1; then
         note "build: ok in $((SECONDS - start)) s; spills: $(grep -c 'bytes spill stores' "$OUT/build.log") reports, nonzero: $(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$OUT/build.log" | wc -l)"
       else
