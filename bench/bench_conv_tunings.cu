@@ -196,15 +196,11 @@ int main(int argc, char** argv) {
                                                                  {16384, 256}, {65536, 4}};
     std::vector<kda::conv::ConvTuning> tunings;
     for (int vec : {4, 8, 2})
-      for (int chunk : {8, 16, 32, 64, 128})
-        for (int warps : {1, 2, 4, 8})
-          for (int queue : {kda::conv::kQueueRegisters, kda::conv::kQueueShared})
-            tunings.push_back({vec, chunk, warps, queue});
+      for (int chunk : {16, 32, 64, 128})
+        for (int warps : {1, 2, 4, 8}) tunings.push_back({vec, chunk, warps});
     std::mt19937_64 rng(42);
     bool mismatch = false;
-    // copy: a 2D copy of the strided x rows (the kernel's read pattern), slower than the flat
-    // copy bench_conv compares with; the ratios here rank tunings, bench_conv's are the targets.
-    std::printf("| tokens x seqs | 2D copy us | default (vec/chunk/warps/queue) us | x copy | best us | x copy | best tuning |\n");
+    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps) us | x copy | best us | x copy | best tuning |\n");
     std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
     std::string details;
     for (const Shape& shape : shapes) {
@@ -235,18 +231,16 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d queue %s: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, t.queue == kda::conv::kQueueShared ? "smem" : "regs",
-                      us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%s) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d queue %s |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
-                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.smem_queue ? "smem" : "regs",
-                  def_us / copy, best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta,
-                  best_t.queue == kda::conv::kQueueShared ? "smem" : "regs");
+                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def_us / copy, best,
+                  best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

@@ -79,23 +79,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
                            warps * staging_bytes_per_warp(32 * vec),
                            " bytes of shared memory, more than ", kMaxStagingBytes);
-  if (tuning.queue != 0 && tuning.queue != kQueueRegisters && tuning.queue != kQueueShared)
-    return detail::str_cat("queue ", tuning.queue, " is not one of 1 (registers), 2 (shared memory) or 0 "
-                           "(the default)");
-  if (tuning.queue == kQueueShared) {
-    const int elem = static_cast<int>(dtype_size(args.x_dtype));
-    const int chunk = tuning.chunk_len != 0 ? tuning.chunk_len : default_chunk_len(args.num_tokens, args.dim);
-    if (!smem_queue_fits(vec, elem))
-      return detail::str_cat("queue 2 (shared memory) needs 4, 8 or 16 bytes per lane and row; vec ", vec,
-                             " of ", elem, "-byte elements is ", vec * elem);
-    if (chunk > kSmemQueueRows)
-      return detail::str_cat("queue 2 (shared memory) holds ", kSmemQueueRows, " rows; chunk_len ", chunk,
-                             " is longer");
-    const int64_t bytes = warps * (staging_bytes_per_warp(32 * vec) + smem_queue_bytes_per_warp(vec, elem));
-    if (bytes > kMaxStagingBytes)
-      return detail::str_cat("queue 2 (shared memory) with warps_per_cta ", warps, " and vec ", vec, " needs ",
-                             bytes, " bytes of shared memory, more than ", kMaxStagingBytes);
-  }
   return {};
 }
 
@@ -146,15 +129,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
     while (p.warps_per_cta > 1 && p.cols_per_plane % p.warps_per_cta != 0) p.warps_per_cta /= 2;
   }
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
-  // The queue: shared memory where it fits (row size, chunk length, 48 KiB per CTA) unless
-  // registers are forced; docs/perf-notes.md (conv v4) has the measurements.
-  const int elem = static_cast<int>(dtype_size(args.x_dtype));
-  const int64_t smem_queue_total =
-      p.warps_per_cta * (staging_bytes_per_warp(p.tile) + smem_queue_bytes_per_warp(p.vec, elem));
-  const bool shared_fits = smem_queue_fits(p.vec, elem) && chunk <= kSmemQueueRows &&
-                           smem_queue_total <= kMaxStagingBytes;
-  p.smem_queue = tuning.queue == kQueueShared || (tuning.queue == 0 && shared_fits);
-  p.smem_bytes = p.smem_queue ? smem_queue_total : p.warps_per_cta * staging_bytes_per_warp(p.tile);
   p.num_ctas = p.programs_per_col_block * p.col_groups_per_plane * p.planes;
   return p;
 }

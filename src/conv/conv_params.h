@@ -14,20 +14,7 @@ struct ConvTuning {
   int vec = 0;            // channels per lane: 8, 4, 2 or 1 (tile = 32 * vec channels)
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one program
-  int queue = 0;          // rows in flight through: 1 registers, 2 shared memory (cp.async)
 };
-
-constexpr int kQueueRegisters = 1;
-constexpr int kQueueShared = 2;
-// The shared-memory queue holds this many rows per warp: chunks of at most this length.
-constexpr int kSmemQueueRows = 16;
-// Whether a lane's row (vec channels of elem_bytes) moves with one cp.async (4, 8, 16 bytes).
-constexpr bool smem_queue_fits(int vec, int elem_bytes) {
-  return vec * elem_bytes == 4 || vec * elem_bytes == 8 || vec * elem_bytes == 16;
-}
-constexpr int64_t smem_queue_bytes_per_warp(int vec, int elem_bytes) {
-  return int64_t{kSmemQueueRows} * 32 * vec * elem_bytes;
-}
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
 struct PackedConvParams {
@@ -67,8 +54,6 @@ struct PackedConvParams {
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  bool smem_queue = false;  // rows through the warp's shared-memory queue (kQueueShared)
-  int64_t smem_bytes = 0;   // dynamic shared memory per CTA: staging (+ queue)
   // The grid is (programs_per_col_block, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
   // program x of column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
   // plane z. Every warp of a CTA has the same (sequence, chunk), so one warp searches for it,

@@ -28,35 +28,6 @@ constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 // with plain loads because the same warp writes it.
 struct DeviceOps {
   float* stage_area;
-  char* queue_area_ptr;  // the warp's shared-memory row queue (kSmemQueue instances)
-
-  __device__ __forceinline__ char* queue_area() const { return queue_area_ptr; }
-  // cp.async (sm_80+; the .ca form, as x rows are read once and the L1 line may serve the
-  // neighbouring lanes' halves): each lane copies its own bytes and reads back only those, so
-  // a lane's own wait_group is all the ordering the queue needs.
-  template <int kBytes>
-  __device__ __forceinline__ void copy_async(char* smem, const char* gmem) const {
-    static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async sizes");
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(gmem), "n"(kBytes) : "memory");
-  }
-  __device__ __forceinline__ void commit_async() const { asm volatile("cp.async.commit_group;" ::: "memory"); }
-  __device__ __forceinline__ void wait_async() const { asm volatile("cp.async.wait_all;" ::: "memory"); }
-  template <int kBytes>
-  __device__ __forceinline__ RowOf<kBytes> load_queue(const char* smem) const {
-    RowOf<kBytes> r;
-    if constexpr (kBytes == 16) {
-      const uint4 a = *reinterpret_cast<const uint4*>(smem);
-      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
-    } else if constexpr (kBytes == 8) {
-      const uint2 a = *reinterpret_cast<const uint2*>(smem);
-      r.w[0] = a.x; r.w[1] = a.y;
-    } else {
-      static_assert(kBytes == 4, "cp.async sizes");
-      r.w[0] = *reinterpret_cast<const unsigned int*>(smem);
-    }
-    return r;
-  }
 
   template <int kBytes>
   __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
@@ -147,19 +118,15 @@ struct DeviceOps {
 // CTA (x, y, z): chunk program x, column blocks y * warps + warp of plane z (conv_params.h).
 // Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
 // memory, so the other warps spend no instructions on it.
-// Dynamic shared memory: every warp's staging area, then (kSmemQueue) every warp's row queue.
-template <typename Traits, bool kSilu, bool kHasBias, bool kSmemQueue>
+template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
   __shared__ int64_t located[6];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int warps = static_cast<int>(blockDim.x / 32);
-  float* const staging = reinterpret_cast<float*>(staging_storage);
-  char* const queues = reinterpret_cast<char*>(staging + warps * staging_floats_per_warp(Traits::kTile));
-  DeviceOps ops{staging + warp * staging_floats_per_warp(Traits::kTile),
-                queues + warp * Traits::kSmemQueueBytesPerWarp};
+  DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
+                warp * staging_floats_per_warp(Traits::kTile)};
   if (warp == 0) {
     const ProgramChunk pc = locate_chunk(p, blockIdx.x, lane, ops);
     if (lane == 0) {
@@ -181,45 +148,36 @@ packed_conv_kernel(const PackedConvParams p) {
   pc.seq_end = located[5];
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  packed_conv_program<Traits, kSilu, kHasBias, kSmemQueue>(p, pc, blockIdx.z, plane_col_block, lane, ops);
-}
-
-template <typename Traits, bool kSmemQueue>
-void launch_queue_instance(const PackedConvParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
-                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
-  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
-  const auto smem = static_cast<std::size_t>(p.smem_bytes);
-  const bool has_bias = p.bias != nullptr;
-  if (p.silu && has_bias) {
-    packed_conv_kernel<Traits, true, true, kSmemQueue><<<grid, block, smem, stream>>>(p);
-  } else if (p.silu) {
-    packed_conv_kernel<Traits, true, false, kSmemQueue><<<grid, block, smem, stream>>>(p);
-  } else if (has_bias) {
-    packed_conv_kernel<Traits, false, true, kSmemQueue><<<grid, block, smem, stream>>>(p);
-  } else {
-    packed_conv_kernel<Traits, false, false, kSmemQueue><<<grid, block, smem, stream>>>(p);
-  }
+  packed_conv_program<Traits, kSilu, kHasBias>(p, pc, blockIdx.z, plane_col_block, lane, ops);
 }
 
 template <DType kDType, int kVec>
-void launch_instance(const PackedConvParams& p, cudaStream_t stream, const char* function) {
+void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
-  if (!p.smem_queue) return launch_queue_instance<Traits, false>(p, stream);
-  if constexpr (Traits::kSmemQueueFits) {
-    return launch_queue_instance<Traits, true>(p, stream);
+  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
+                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
+  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
+  const std::size_t staging_bytes =
+      static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
+  const bool has_bias = p.bias != nullptr;
+  if (p.silu && has_bias) {
+    packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (p.silu) {
+    packed_conv_kernel<Traits, true, false><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (has_bias) {
+    packed_conv_kernel<Traits, false, true><<<grid, block, staging_bytes, stream>>>(p);
   } else {
-    KDA_FAIL(function, "vec ", kVec, " has no shared-memory queue instance (check_tuning refuses it)");
+    packed_conv_kernel<Traits, false, false><<<grid, block, staging_bytes, stream>>>(p);
   }
 }
 
 template <DType kDType>
 void launch_for_vec(const PackedConvParams& p, cudaStream_t stream, const char* function) {
   switch (p.vec) {
-    case 8: return launch_instance<kDType, 8>(p, stream, function);
-    case 4: return launch_instance<kDType, 4>(p, stream, function);
-    case 2: return launch_instance<kDType, 2>(p, stream, function);
-    case 1: return launch_instance<kDType, 1>(p, stream, function);
+    case 8: return launch_instance<kDType, 8>(p, stream);
+    case 4: return launch_instance<kDType, 4>(p, stream);
+    case 2: return launch_instance<kDType, 2>(p, stream);
+    case 1: return launch_instance<kDType, 1>(p, stream);
     default: KDA_FAIL(function, "vec ", p.vec, " has no kernel instance; supported are 8, 4, 2, 1");
   }
 }

@@ -13,9 +13,6 @@
 //   float silu(float acc)                  (device: silu_stock_fast; CPU: silu_host_approx)
 //   uint32_t ballot(bool pred)             void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
-//   char* queue_area()                     this warp's shared-memory row queue (kSmemQueue only)
-//   template <int kBytes> void copy_async(char* smem, const char* x)   x row bytes -> queue (cp.async)
-//   void commit_async()  void wait_async() template <int kBytes> RowOf<kBytes> load_queue(const char*)
 //
 // One warp is one program: a (sequence, token chunk) of the program map (program_map.h), found
 // by locate_chunk, times a tile of 32 * vec channels inside one output plane. Each lane owns vec adjacent channels: it
@@ -63,14 +60,6 @@ struct PackedConvTraits {
   // About 128 bytes of loads in flight per lane, 4 to 16 rows: 16 rows of 4 bf16 channels,
   // 8 rows of 8 bf16 or 4 fp32 channels, 4 rows of 8 fp32 channels.
   static constexpr int kQueueRows = clamp_int(128 / kRowBytes, 4, 16);
-
-  // The shared-memory queue variant (packed_conv_program<..., kSmemQueue = true>): the chunk's
-  // rows are copied straight into shared memory with cp.async (no registers held while they are
-  // in flight, so more warps fit an SM), kSmemRows of them, for chunks of at most that many rows.
-  // cp.async moves 4, 8 or 16 bytes per lane and row.
-  static constexpr int kSmemRows = 16;
-  static constexpr bool kSmemQueueFits = kRowBytes == 4 || kRowBytes == 8 || kRowBytes == 16;
-  static constexpr int kSmemQueueBytesPerWarp = kSmemRows * 32 * kRowBytes;
 
   static_assert(kVec == 1 || kVec == 2 || kVec == 4 || kVec == 8, "vec is 1, 2, 4 or 8");
   // part_dim % 64 == 0 and the launcher checks part_dim % kTile == 0 for the larger tiles.
@@ -325,10 +314,7 @@ KDA_HOST_DEVICE KDA_INLINE void pack_row(const Ops& ops, const float (&v)[Traits
 // One program of the packed conv, run by the 32 lanes of a warp: chunk `pc` (from
 // locate_chunk) of the tile of column block `plane_col_block` of plane `plane`. Every branch
 // below depends on the program only, so the warp never diverges.
-// kSmemQueue: the chunk's rows go through the warp's shared-memory queue (Traits::kSmemRows rows,
-// chunks of at most that length; the launcher picks it), otherwise through a register queue of
-// Traits::kQueueRows loads in flight, refilled as rows are consumed (any chunk length).
-template <class Traits, bool kSilu, bool kHasBias, bool kSmemQueue, class Ops>
+template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, const ProgramChunk& pc,
                                                     int64_t plane, int64_t plane_col_block, int lane,
                                                     Ops& ops) {
@@ -373,37 +359,19 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
   if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
   if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
 
-  // Register queue: row r of the chunk is consumed from slot r % kQueue, which then loads row
-  // r + kQueue; load_ptr always points at row r + kQueue. Shared-memory queue: row r is copied
-  // to this lane's bytes of slot r (slots 32 * kBytes apart), all rows at once (rows <= kSmemRows).
-  constexpr int kRegRows = kSmemQueue ? 1 : kQueue;
-  [[maybe_unused]] Row queue[kRegRows];
+  // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
+  // r + kQueue; load_ptr always points at row r + kQueue.
+  Row queue[kQueue];
   const char* load_ptr = x_lane + pc.begin * x_row_bytes;
-  char* const smem_queue = kSmemQueue ? ops.queue_area() + lane * kBytes : nullptr;
-  constexpr int kSmemSlotBytes = 32 * kBytes;
-  if constexpr (kSmemQueue) {
-    static_assert(Traits::kSmemQueueFits, "cp.async moves 4, 8 or 16 bytes");
-    KDA_UNROLL
-    for (int i = 0; i < Traits::kSmemRows; ++i) {
-      if (i < rows) ops.template copy_async<kBytes>(smem_queue + i * kSmemSlotBytes, load_ptr);
-      load_ptr += x_row_bytes;
-    }
-    ops.commit_async();
-  } else {
-    KDA_UNROLL
-    for (int i = 0; i < kQueue; ++i) {
-      if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
-      load_ptr += x_row_bytes;
-    }
+  KDA_UNROLL
+  for (int i = 0; i < kQueue; ++i) {
+    if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+    load_ptr += x_row_bytes;
   }
 
   const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-  // A skipped sequence waits for its copies before the warp leaves: the queue is shared memory
-  // that the CTA's next occupant may reuse.
-  if ((p.has_null_block && line == p.null_block_id) || line < 0 || line >= p.num_cache_lines) {
-    if constexpr (kSmemQueue) ops.wait_async();
-    return;
-  }
+  if (p.has_null_block && line == p.null_block_id) return;
+  if (line < 0 || line >= p.num_cache_lines) return;
 
   // This warp's staging area: the 4 taps in rows 0..3, the state's 3 columns in rows 4..6.
   float* const stage_taps = ops.stage();
@@ -492,40 +460,23 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
     pack_row<Traits>(ops, y, out);
     ops.template store_out<kBytes>(dst, out);
   };
-  if constexpr (kSmemQueue) {
-    ops.wait_async();  // each lane reads back only the bytes it copied itself
-    if (rows == Traits::kSmemRows) {
-      KDA_UNROLL
-      for (int i = 0; i < Traits::kSmemRows; ++i)
-        convolve_row(ops.template load_queue<kBytes>(smem_queue + i * kSmemSlotBytes),
-                     store_ptr + i * out_row_bytes);
-    } else {
-      KDA_UNROLL
-      for (int i = 0; i < Traits::kSmemRows; ++i)
-        if (i < rows)
-          convolve_row(ops.template load_queue<kBytes>(smem_queue + i * kSmemSlotBytes),
-                       store_ptr + i * out_row_bytes);
-    }
+  if (rows == kQueue) {
+    // A full chunk of the default length: every row is in the queue already, and the loop has
+    // no per-row guards (the common case; docs/perf-notes.md, conv v3).
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
     return;
-  } else {
-    if (rows == kQueue) {
-      // A full chunk of the register queue's length: every row is loaded already, and the loop
-      // has no per-row guards (docs/perf-notes.md, conv v3).
-      KDA_UNROLL
-      for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
-      return;
-    }
-    for (int r0 = 0; r0 < rows; r0 += kQueue) {
-      KDA_UNROLL
-      for (int i = 0; i < kQueue; ++i) {
-        const int r = r0 + i;
-        if (r < rows) {
-          const Row cur = queue[i];
-          if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
-          load_ptr += x_row_bytes;
-          convolve_row(cur, store_ptr);
-          store_ptr += out_row_bytes;
-        }
+  }
+  for (int r0 = 0; r0 < rows; r0 += kQueue) {
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) {
+      const int r = r0 + i;
+      if (r < rows) {
+        const Row cur = queue[i];
+        if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+        load_ptr += x_row_bytes;
+        convolve_row(cur, store_ptr);
+        store_ptr += out_row_bytes;
       }
     }
   }

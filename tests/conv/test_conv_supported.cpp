@@ -337,8 +337,6 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   CHECK(p.num_ctas == (2048 / 16 + 4) * 3 * 3);
   CHECK(p.has_null_block);
   CHECK(p.null_block_id == 0);
-  CHECK(p.smem_queue);  // 8-byte rows, 16-token chunks: the shared-memory queue
-  CHECK(p.smem_bytes == 4 * (7 * 136 * 4 + 16 * 32 * 8));
 
   SUBCASE("a forced tuning") {
     const kda::conv::PackedConvParams q = kda::conv::make_params(a, {8, 128, 1});
@@ -398,22 +396,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
   SUBCASE("chunk_len 48") {
     CHECK(kda::conv::check_tuning(a, {0, 48, 0}) ==
           "chunk_len 48 is not one of 8, 16, 32, 64, 128, 256 (or 0 for the default)");
-  }
-  SUBCASE("queue 3") {
-    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 3}) ==
-          "queue 3 is not one of 1 (registers), 2 (shared memory) or 0 (the default)");
-  }
-  SUBCASE("a shared-memory queue for 32-token chunks") {
-    CHECK(kda::conv::check_tuning(a, {4, 32, 4, 2}) ==
-          "queue 2 (shared memory) holds 16 rows; chunk_len 32 is longer");
-  }
-  SUBCASE("a shared-memory queue for 2-byte rows") {
-    CHECK(kda::conv::check_tuning(a, {1, 16, 4, 2}) ==
-          "queue 2 (shared memory) needs 4, 8 or 16 bytes per lane and row; vec 1 of 2-byte elements is 2");
-  }
-  SUBCASE("a shared-memory queue beyond 48 KiB") {
-    CHECK(kda::conv::check_tuning(a, {8, 16, 4, 2}) ==
-          "queue 2 (shared memory) with warps_per_cta 4 and vec 8 needs 62336 bytes of shared memory, more than 49152");
   }
   SUBCASE("warps_per_cta 3") {
     CHECK(kda::conv::check_tuning(a, {0, 0, 3}) ==

@@ -58,8 +58,7 @@ struct Warp {
   Barrier barrier{32};
   uint32_t votes[32] = {};
   std::vector<Float4> stage_storage;  // 16-byte aligned, as the shared staging area
-  std::vector<Float4> queue_storage;  // the shared-memory row queue
-  Range x, out, weight, bias, qsl, cache, flags, state, stage, queue;
+  Range x, out, weight, bias, qsl, cache, flags, state, stage;
   std::atomic<int64_t> bad_access{0};
 };
 
@@ -137,24 +136,6 @@ struct HostOps {
   }
   void syncwarp() const { warp->barrier.wait(); }
   float* stage() const { return reinterpret_cast<float*>(warp->stage_storage.data()); }
-  // The shared-memory queue: a cp.async lands at once (a legal moment: the kernel reads a row
-  // only after wait_async); bounds and alignment checked like every other access.
-  char* queue_area() const { return reinterpret_cast<char*>(warp->queue_storage.data()); }
-  template <int kBytes>
-  void copy_async(char* smem, const char* x) const {
-    check(warp->x.holds(x, kBytes) && aligned(x, kBytes) && warp->queue.holds(smem, kBytes) &&
-          aligned(smem, kBytes));
-    std::memcpy(smem, x, kBytes);
-  }
-  void commit_async() const {}
-  void wait_async() const {}
-  template <int kBytes>
-  RowOf<kBytes> load_queue(const char* smem) const {
-    check(warp->queue.holds(smem, kBytes) && aligned(smem, kBytes));
-    RowOf<kBytes> r{};
-    std::memcpy(r.w, smem, kBytes);
-    return r;
-  }
 };
 
 // Host buffers of one problem; the element type of x and out is stored as raw 16- or 32-bit
@@ -222,20 +203,6 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
   return a;
 }
 
-template <class Traits, bool kSmemQueue>
-void run_program(const kda::conv::PackedConvParams& p, const kda::conv::ProgramChunk& pc, int64_t plane,
-                 int64_t col, int lane, HostOps& ops) {
-  if (p.silu && p.bias) {
-    kda::conv::packed_conv_program<Traits, true, true, kSmemQueue>(p, pc, plane, col, lane, ops);
-  } else if (p.silu) {
-    kda::conv::packed_conv_program<Traits, true, false, kSmemQueue>(p, pc, plane, col, lane, ops);
-  } else if (p.bias) {
-    kda::conv::packed_conv_program<Traits, false, true, kSmemQueue>(p, pc, plane, col, lane, ops);
-  } else {
-    kda::conv::packed_conv_program<Traits, false, false, kSmemQueue>(p, pc, plane, col, lane, ops);
-  }
-}
-
 template <DType kDType, int kVec>
 void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>& x_bytes,
                   const Problem& pr, const std::vector<float>& state,
@@ -252,8 +219,6 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.flags = range_of(pr.init);
   warp.state = range_of(state);
   warp.stage = range_of(warp.stage_storage);
-  warp.queue_storage.resize(static_cast<std::size_t>(Traits::kSmemQueueBytesPerWarp) / 16);
-  warp.queue = range_of(warp.queue_storage);
 
   // Every (chunk program, plane, column block) of the grid, one after another on one emulated
   // warp; each searches its chunk as the kernel's warp 0 does for its CTA.
@@ -266,15 +231,14 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
           for (int64_t col = 0; col < p.cols_per_plane; ++col) {
             const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, chunk_program, lane, ops);
             warp.barrier.wait();  // the search's ballots are done before the body's
-            if constexpr (Traits::kSmemQueueFits) {
-              if (p.smem_queue) {
-                run_program<Traits, true>(p, pc, plane, col, lane, ops);
-              } else {
-                run_program<Traits, false>(p, pc, plane, col, lane, ops);
-              }
+            if (p.silu && p.bias) {
+              kda::conv::packed_conv_program<Traits, true, true>(p, pc, plane, col, lane, ops);
+            } else if (p.silu) {
+              kda::conv::packed_conv_program<Traits, true, false>(p, pc, plane, col, lane, ops);
+            } else if (p.bias) {
+              kda::conv::packed_conv_program<Traits, false, true>(p, pc, plane, col, lane, ops);
             } else {
-              REQUIRE_FALSE(p.smem_queue);
-              run_program<Traits, false>(p, pc, plane, col, lane, ops);
+              kda::conv::packed_conv_program<Traits, false, false>(p, pc, plane, col, lane, ops);
             }
             warp.barrier.wait();  // the next program starts when every lane is done with this one
           }
@@ -437,29 +401,6 @@ TEST_CASE("the emulated kernel equals the reference bit for bit for every vector
       Problem pr = base_problem(DType::BF16);
       fill(pr, 100 + vec * 10 + chunk);
       check_outcome(compare(pr, {vec, chunk, 4}));
-    }
-  }
-}
-
-TEST_CASE("the emulated kernel equals the reference with either row queue") {
-  // Registers (1) or shared memory (2), forced, for every dtype and vector width whose rows
-  // cp.async can move (4, 8, 16 bytes), chunks of 8 and 16 tokens (the shared queue's limit).
-  for (DType dtype : {DType::BF16, DType::FP16, DType::FP32}) {
-    for (int vec : {8, 4, 2, 1}) {
-      const int row_bytes = vec * (dtype == DType::FP32 ? 4 : 2);
-      if (!kda::conv::smem_queue_fits(vec, dtype == DType::FP32 ? 4 : 2)) continue;
-      for (int chunk : {8, 16}) {
-        for (int queue : {kda::conv::kQueueRegisters, kda::conv::kQueueShared}) {
-          const int warps = row_bytes == 16 ? 2 : 4;  // 48 KiB of staging + queue per CTA
-          CAPTURE(static_cast<int>(dtype));
-          CAPTURE(vec);
-          CAPTURE(chunk);
-          CAPTURE(queue);
-          Problem pr = base_problem(dtype);
-          fill(pr, 900 + vec * 10 + chunk + queue);
-          check_outcome(compare(pr, {vec, chunk, warps, queue}));
-        }
-      }
     }
   }
 }

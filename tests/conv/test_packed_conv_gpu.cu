@@ -833,13 +833,11 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     const std::vector<int> warps = quick() ? std::vector<int>{1, 4} : std::vector<int>{1, 2, 4, 8};
     for (int vec : {1, 2, 4, 8})
       for (int chunk : chunks)
-        for (int w : warps)
-          for (int queue : {kda::conv::kQueueRegisters, kda::conv::kQueueShared}) {
+        for (int w : warps) {
           kda::conv::ConvTuning t;
           t.vec = vec;
           t.chunk_len = chunk;
           t.warps_per_cta = w;
-          t.queue = queue;
           if (!kda::conv::check_tuning(pa, t).empty()) {
             ++invalid;
             continue;
@@ -847,7 +845,6 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
           CAPTURE(vec);
           CAPTURE(chunk);
           CAPTURE(w);
-          CAPTURE(queue);
           packed.reset(hp);
           kda::conv::launch_packed_conv(pa, t, stream.s);
           KDA_TEST_CUDA(cudaStreamSynchronize(stream.s));
