@@ -225,7 +225,8 @@ class PrefillModule {
   // pools bitwise; also compares the packed conv with the stock-path baseline. Leaves the pools
   // as one run of the batch leaves them. Synchronises the stream.
   // Debug path: allocates copies of all pools. The planes are compared on the batch's rows
-  // [0, T) after each layer. The baseline convolves, per window, the module's in_proj output of
+  // [0, T) after each layer, the layer output (layer_steps: full) on the rows of the sequences
+  // that ran (skipped sequences' output rows are unspecified). The baseline convolves, per window, the module's in_proj output of
   // that window with the window's staged metadata, from its own copy of the starting conv pool
   // (multi-window batches included). Graphs are recorded for the check even when graphs are
   // off. Every layer must have weights. A bad batch throws before anything runs.
