@@ -24,19 +24,20 @@
 // (slot, head) to the workspace.
 // Phase 2 (state_block_split, the default, at the end of this file: the same with two warps
 // per 16 value rows, one per half of the key channels; state_block, the first form): one
-// block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the transposed state S^T (16 value rows x 128 key channels, fp32)
-// in mma accumulator registers and walks the chunks in order; the chunk records are
-// double-buffered in shared memory with cp.async. In transposed form every A operand (S^T
-// and U^T) comes from registers (an m16n8 accumulator pair is an m16k16 A fragment) and every
-// B operand is a record tile in shared memory. U and O are bf16 products (B tiles read with
-// ldmatrix); the state update, whose operands set the precision of the carried state, is a
-// tf32 product (m16n8k8, B read as 8-byte pairs), which keeps the final state's error near
-// 3e-4 instead of 3e-3.
+// block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
+// transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
+// and walks the chunks in order; the chunk records are double-buffered in shared memory with
+// cp.async. In transposed form every A operand (S^T and U^T) comes from registers (an m16n8
+// accumulator pair is an m16k16 A fragment) and every B operand is a record tile in shared
+// memory. U and O are bf16 products (B tiles read with ldmatrix); the state update, whose
+// operands set the precision of the carried state, is a tf32 product (m16n8k8, B read as
+// 8-byte pairs), which keeps the final state's error near 3e-4 instead of 3e-3.
 //
-// The bodies run per thread and reach other threads only through `Ops` (barriers, shuffles,
-// the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps in kda_chunked.cu
-// maps them to the hardware instructions. Fragment layouts (PTX ISA, "Matrix Fragments for
-// mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and t = lane % 4:
+// The bodies run per thread and reach other threads only through `Ops` (barriers, named
+// barriers, shuffles, the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps
+// in kda_chunked.cu maps them to the hardware instructions. Fragment layouts (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and
+// t = lane % 4:
 //   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
 //     a3 (g+8, 2t+8..)
 //   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
