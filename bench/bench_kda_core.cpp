@@ -1,6 +1,8 @@
 // Benchmark of the KDA core (spec steps 4 and 5: prep + gated delta rule): the token-by-token
 // kernel kda_prep_recurrence against the chunked tensor-core kernel kda_chunked, and the
-// chunked kernel's two phases alone, on the shapes of docs/perf-notes-kda-core.md.
+// chunked kernel's two phases alone, phase 2 once per state kernel (KdaStateKernel: KSplit,
+// the default, Unsplit and Original, a row each, on the same records), on the shapes of
+// docs/perf-notes-kda-core.md.
 //
 //   bench_kda_core [--quick] [--reps N] [--out FILE]
 //
@@ -21,6 +23,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kda/error.h"
@@ -35,7 +38,8 @@ constexpr double kPeakTflops = 790.0;  // H200 bf16 dense, measured
 constexpr double kPeakTBps = 4.3;      // H200 device copy, measured
 // Tensor-core work of the chunked kernel per (chunk, head), in bf16 m16n8k16 equivalents (4096
 // flop): phase 1 runs 6 off-diagonal 16 x 16 blocks x 32 mma; phase 2 8 warps x (64 U + 64 + 20
-// O bf16 mma + 128 tf32 m16n8k8 for the state update, 2048 flop each = 64 equivalents).
+// O bf16 mma + 128 tf32 m16n8k8 for the state update, 2048 flop each = 64 equivalents), the
+// same for every state kernel (KSplit deals each 16 value rows' mma to two warps).
 constexpr double kMmaFlop = 2.0 * 16 * 8 * 16;
 constexpr double kPrepMmaPerChunk = 6 * 32;
 constexpr double kStateMmaPerChunk = 8 * 212;
@@ -175,7 +179,7 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   rows.push_back({cs.name, "kda_prep_recurrence (token by token)",
                   median_us([&](cudaStream_t s) { kda::kda_prep_recurrence(a, s); }, stream, warmup, reps), 0.0,
                   4 * plane_bytes + b_bytes + state_bytes + plane_bytes});
-  rows.push_back({cs.name, "kda_chunked",
+  rows.push_back({cs.name, "kda_chunked (KSplit)",
                   median_us([&](cudaStream_t s) { kda::kda_chunked(a, work.get(), work.bytes(), s); }, stream,
                             warmup, reps),
                   prep_flop + state_flop, 4 * plane_bytes + b_bytes + 2 * record_bytes + state_bytes + plane_bytes});
@@ -184,11 +188,18 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
                     kda::kda_chunked(a, work.get(), work.bytes(), s, kda::KdaChunkedPhases::PrepOnly);
                   }, stream, warmup, reps),
                   prep_flop, 4 * plane_bytes + b_bytes + record_bytes});
-  rows.push_back({cs.name, "  phase 2 (state, o)",
-                  median_us([&](cudaStream_t s) {
-                    kda::kda_chunked(a, work.get(), work.bytes(), s, kda::KdaChunkedPhases::StateOnly);
-                  }, stream, warmup, reps),
-                  state_flop, record_bytes + state_bytes + plane_bytes});
+  // Phase 2 per state kernel, on the records of the phase-1 launches above.
+  const std::pair<kda::KdaStateKernel, const char*> state_kernels[] = {
+      {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit (default)"},
+      {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit"},
+      {kda::KdaStateKernel::Original, "  phase 2 (state, o): Original"},
+  };
+  for (const auto& [kernel, label] : state_kernels)
+    rows.push_back({cs.name, label,
+                    median_us([&, kernel = kernel](cudaStream_t s) {
+                      kda::kda_chunked(a, work.get(), work.bytes(), s, kda::KdaChunkedPhases::StateOnly, kernel);
+                    }, stream, warmup, reps),
+                    state_flop, record_bytes + state_bytes + plane_bytes});
   BENCH_CUDA(cudaStreamSynchronize(stream));
   return rows;
 }

@@ -3,11 +3,13 @@
 // operations to the hardware (DeviceOps), defines the two kernels and the host launcher.
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 105 KB of shared memory (two blocks
-// per SM); phase 2 grid (max_seqs, H, 4) x 64 threads, 171 KB of shared memory (double-
-// buffered chunk records). Both grids depend on capacities only (CUDA graph safe).
+// per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 203 KB of
+// shared memory (KSplit: double-buffered chunk records and the exchange of partials) or 64
+// threads and 171 KB (Unsplit, Original). Both grids depend on capacities only (CUDA graph
+// safe).
 // Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 and m16n8k8 tf32, ldmatrix,
-// cp.async, cvt.rna.tf32), identical in the sm_90a SASS and the compute_90 PTX, so no
-// __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
+// cp.async, cvt.rna.tf32, named barriers), identical in the sm_90a SASS and the compute_90
+// PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -32,6 +34,7 @@ using chunked::ChunkedParams;
 using chunked::PrepSmem;
 using chunked::PrepTraits;
 using chunked::Record;
+using chunked::SplitTraits;
 using chunked::StateTraits;
 
 constexpr const char* kFunction = "kda::kda_chunked";
@@ -97,6 +100,14 @@ struct DeviceOps {
   __device__ __forceinline__ void cp_wait_prior() const {
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");
   }
+  // Every cp.async of this thread is complete (commits the open group first).
+  __device__ __forceinline__ void cp_wait_all() const {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+  }
+  // Barrier `id` (1 .. 15; 0 is __syncthreads') among `threads` threads, whole warps.
+  __device__ __forceinline__ void named_sync(int id, int threads) const {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
 };
 
 template <bool kLowerBound>
@@ -112,6 +123,14 @@ __global__ void __launch_bounds__(StateTraits::kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   DeviceOps ops{smem_raw};
   chunked::state_block(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+}
+
+template <int kKSplit>
+__global__ void __launch_bounds__(SplitTraits<kKSplit>::kThreads, 1)
+    kda_chunk_state_split_kernel(const ChunkedParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DeviceOps ops{smem_raw};
+  chunked::state_block_split<kKSplit>(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -152,6 +171,12 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_kernel,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  StateTraits::kSmemBytes));
+  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_split_kernel<1>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 SplitTraits<1>::kSmemBytes));
+  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_split_kernel<2>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 SplitTraits<2>::kSmemBytes));
   if (done.size() <= static_cast<std::size_t>(device)) done.resize(device + 1, false);
   done[device] = true;
 }
@@ -215,7 +240,7 @@ bool kda_chunked_supported(const PrepRecurrenceArgs& a, std::string* why) {
 }
 
 void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t workspace_bytes,
-                 Stream stream, KdaChunkedPhases phases) {
+                 Stream stream, KdaChunkedPhases phases, KdaStateKernel state_kernel) {
   std::string why;
   if (!kda_chunked_supported(a, &why)) KDA_FAIL(kFunction, why);
   if (a.max_seqs == 0 || a.num_tokens == 0) return;
@@ -235,6 +260,14 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
       KDA_FAIL(kFunction, "phases ", static_cast<int>(phases),
                " is not one of Both, PrepOnly, StateOnly");
   }
+  switch (state_kernel) {
+    case KdaStateKernel::KSplit:
+    case KdaStateKernel::Unsplit:
+    case KdaStateKernel::Original: break;
+    default:
+      KDA_FAIL(kFunction, "state_kernel ", static_cast<int>(state_kernel),
+               " is not one of KSplit, Unsplit, Original");
+  }
   const ChunkedParams p = chunked::make_chunked_params(a, workspace);
   set_smem_attributes();
   if (prep) {
@@ -252,9 +285,24 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());
   }
   if (state) {
+    static_assert(StateTraits::kSlices == SplitTraits<1>::kSlices &&
+                      StateTraits::kSlices == SplitTraits<2>::kSlices,
+                  "all phase-2 forms have one grid");
     const dim3 grid(static_cast<unsigned>(a.max_seqs), static_cast<unsigned>(a.num_heads),
                     StateTraits::kSlices);
-    kda_chunk_state_kernel<<<grid, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p);
+    switch (state_kernel) {
+      case KdaStateKernel::KSplit:
+        kda_chunk_state_split_kernel<2>
+            <<<grid, SplitTraits<2>::kThreads, SplitTraits<2>::kSmemBytes, stream>>>(p);
+        break;
+      case KdaStateKernel::Unsplit:
+        kda_chunk_state_split_kernel<1>
+            <<<grid, SplitTraits<1>::kThreads, SplitTraits<1>::kSmemBytes, stream>>>(p);
+        break;
+      case KdaStateKernel::Original:
+        kda_chunk_state_kernel<<<grid, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p);
+        break;
+    }
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());
   }
 }

@@ -10,7 +10,8 @@
 //      record per (chunk slot, head) to the workspace.
 //   2. state, one block per (sequence, head, 32-column value slice): carries the state across
 //      the sequence's chunks in registers (fp32), O on bf16 and the state update on tf32
-//      tensor cores.
+//      tensor cores; by default two warps share each 16 value rows, one per half of the key
+//      channels (KdaStateKernel).
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands): about 3e-3 relative Frobenius error on o (its own bf16 rounding is
 // 1.7e-3) and 3e-4 .. 8e-4 on the final states against the float64 reference
@@ -46,6 +47,16 @@ bool kda_chunked_supported(const PrepRecurrenceArgs& args, std::string* why = nu
 // (StateOnly reads the workspace a PrepOnly launch with the same arguments wrote).
 enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 
+// Which phase-2 kernel runs (same records, same results up to the summation order of the key
+// channels; docs/perf-notes-kda-core.md):
+//   KSplit   (default) two warps per 16 value rows, 64 key channels each, exchanging their
+//            partial U and O per chunk through shared memory;
+//   Unsplit  the KSplit body with one warp per 16 value rows (its unrolled record copies and
+//            single barrier per chunk, no exchange);
+//   Original the first kernel (one warp per 16 value rows and all 128 channels), kept for
+//            comparison.
+enum class KdaStateKernel { KSplit, Unsplit, Original };
+
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
 // kda_chunked_workspace_bytes(args) bytes, 16-byte aligned; its contents on entry do not
 // matter and it is scratch afterwards. Throws kda::Error (and enqueues nothing) when the
@@ -53,6 +64,7 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 // synchronisation, no allocation: capturable into a CUDA graph (after one eager launch per
 // device, which opts the kernels into their shared-memory size).
 void kda_chunked(const PrepRecurrenceArgs& args, void* workspace, std::size_t workspace_bytes,
-                 Stream stream, KdaChunkedPhases phases = KdaChunkedPhases::Both);
+                 Stream stream, KdaChunkedPhases phases = KdaChunkedPhases::Both,
+                 KdaStateKernel state_kernel = KdaStateKernel::KSplit);
 
 }  // namespace kda

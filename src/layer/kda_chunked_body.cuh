@@ -22,20 +22,22 @@
 // Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
 // (slot, head) to the workspace.
-// Phase 2 (state_block): one block of 2 warps per (sequence, head, value slice of 32
-// columns). Each warp holds the transposed state S^T (16 value rows x 128 key channels, fp32)
-// in mma accumulator registers and walks the chunks in order; the chunk records are
-// double-buffered in shared memory with cp.async. In transposed form every A operand (S^T
-// and U^T) comes from registers (an m16n8 accumulator pair is an m16k16 A fragment) and every
-// B operand is a record tile in shared memory. U and O are bf16 products (B tiles read with
-// ldmatrix); the state update, whose operands set the precision of the carried state, is a
-// tf32 product (m16n8k8, B read as 8-byte pairs), which keeps the final state's error near
-// 3e-4 instead of 3e-3.
+// Phase 2 (state_block_split, the default, at the end of this file: the same with two warps
+// per 16 value rows, one per half of the key channels; state_block, the first form): one
+// block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
+// transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
+// and walks the chunks in order; the chunk records are double-buffered in shared memory with
+// cp.async. In transposed form every A operand (S^T and U^T) comes from registers (an m16n8
+// accumulator pair is an m16k16 A fragment) and every B operand is a record tile in shared
+// memory. U and O are bf16 products (B tiles read with ldmatrix); the state update, whose
+// operands set the precision of the carried state, is a tf32 product (m16n8k8, B read as
+// 8-byte pairs), which keeps the final state's error near 3e-4 instead of 3e-3.
 //
-// The bodies run per thread and reach other threads only through `Ops` (barriers, shuffles,
-// the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps in kda_chunked.cu
-// maps them to the hardware instructions. Fragment layouts (PTX ISA, "Matrix Fragments for
-// mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and t = lane % 4:
+// The bodies run per thread and reach other threads only through `Ops` (barriers, named
+// barriers, shuffles, the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps
+// in kda_chunked.cu maps them to the hardware instructions. Fragment layouts (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and
+// t = lane % 4:
 //   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
 //     a3 (g+8, 2t+8..)
 //   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
@@ -758,6 +760,346 @@ KDA_UNROLL
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
       const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      state[c * p.state_k + v * p.state_v] = st[nt][r];
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Phase 2, K-split form (state_block_split, the default). The first form above gives each warp
+// 16 value rows and all 128 key channels, so one warp carries a whole per-chunk chain of
+// 276 mma.sync, 74 ldmatrix, 128 shared loads and ~80 cp.async with generic index math
+// (about 3.2 k instructions per chunk, issued one every ~2.2 cycles by the only warp of its
+// scheduler). Here kKSplit warps share the same 16 value rows, warp ks owning key channels
+// [ks K/kKSplit, (ks + 1) K/kKSplit), and per chunk:
+//   1. each computes its partial -U^T = S0^T W^T - Uv^T (the Uv term in the warp of slice 0
+//      only) and its partial O^T = S0^T Qt^T over its channels;
+//   2. the partials meet in shared memory behind a named barrier of the kKSplit warps: every
+//      warp forms U^T = -(P_mine + P_other) from the two whole -U^T partials, so both hold the
+//      same bits (fp32 addition is commutative), and the owner of each 16-token block of O
+//      adds the other's O partial for it;
+//   3. each updates its own channels of the state, S^T = S0^T diag(gamma) + U^T Kb', and adds
+//      U^T M'^T to the O blocks it owns and writes them. O blocks are dealt so that the
+//      triangular U^T M'^T work is even: with two warps, slice 0 owns token blocks 0 and 3,
+//      slice 1 blocks 1 and 2 (1 + 4 = 2 + 3 mma pairs).
+// Per warp and chunk that is half the mma (74 bf16 + 64 tf32 with kKSplit = 2), half the state
+// registers (32 instead of 64), and one exchange (12 128-bit shared stores and loads). The
+// summation order over the key channels is not the first form's, so results differ from it in
+// the last bits; they are deterministic (fixed code, fixed order). The record stage is the
+// first form's; its copies are fully unrolled with compile-time offsets (one cp.async each,
+// instead of ~10 integer instructions of index math per 16-byte piece), and one block barrier
+// per chunk suffices (the refill of a stage is issued after the barrier that follows its last
+// use). kKSplit = 1 is the same body without the exchange (for comparison: the copy and barrier
+// changes alone).
+
+template <int kKSplit>
+struct SplitTraits {
+  static_assert(kKSplit == 1 || kKSplit == 2, "the key channels split in one or two slices");
+  static constexpr int kValueTiles = 2;  // 16-row value tiles per block, as StateTraits
+  static constexpr int kWarps = kValueTiles * kKSplit;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kColumns = kValueTiles * StateTraits::kRowsPerWarp;
+  static constexpr int kSlices = kHeadDim / kColumns;  // blocks per (sequence, head)
+  static constexpr int kKeys = kHeadDim / kKSplit;     // key channels per warp
+  static constexpr int kTokenTiles = kChunk / 8;       // n-tiles of O^T and U^T
+  // Exchange area after the two stages: per warp, slot nt (< 8) holds its -U^T partial n-tile
+  // nt and slot 8 + nt its O^T partial n-tile nt (written only for the other warp's blocks),
+  // one float4 per lane (a conflict-free 128-bit access per slot).
+  static constexpr int kSlotBytes = 32 * 16;
+  static constexpr int kXchgWarpBytes = kKSplit > 1 ? 2 * kTokenTiles * kSlotBytes : 0;
+  static constexpr int kXchg = 2 * StateTraits::kStageBytes;
+  static constexpr int kSmemBytes = kXchg + kWarps * kXchgWarpBytes;
+  static constexpr int kPairThreads = 32 * kKSplit;  // named barrier of one value tile's warps
+  static_assert(kColumns == StateTraits::kColumns, "the stage layout is StateTraits'");
+  static_assert(kKeys % 16 == 0 && kSmemBytes <= 227 * 1024, "split layout");
+  static_assert(kValueTiles == 2, "the exchange names barriers 1 and 2, one per value tile");
+};
+
+// Which warp of a value tile owns (adds U^T M'^T to and writes) the 16-token block np of O.
+__host__ __device__ __forceinline__ constexpr int o_block_owner(int np, int ksplit) {
+  return ksplit == 1 ? 0 : (np == 0 || np == kSubBlocks - 1 ? 0 : 1);
+}
+
+// Copies kRows rows of kPieces 16-byte pieces (global row pitch kSrcPitch, shared row pitch
+// kDstPitch, both in bytes) with kThreads threads. Thread tid always takes piece tid % kPieces
+// of rows tid / kPieces + k kThreads / kPieces, so after one base address per side every
+// offset is a compile-time constant.
+KDA_OPS_BODY
+template <int kThreads, int kRows, int kPieces, int kSrcPitch, int kDstPitch, class Ops>
+__host__ __device__ __forceinline__ void copy_rows(Ops& ops, uint32_t dst,
+                                                   const unsigned char* src, int tid) {
+  static_assert(kPieces <= kThreads && kThreads % kPieces == 0, "whole rows per pass");
+  constexpr int kRowsPerPass = kThreads / kPieces;
+  const int row = tid / kPieces, piece = tid % kPieces;
+  dst += row * kDstPitch + piece * 16;
+  src += row * kSrcPitch + piece * 16;
+KDA_UNROLL
+  for (int j = 0; j < kRows / kRowsPerPass; ++j)
+    ops.cp16(dst + j * kRowsPerPass * kDstPitch, src + j * kRowsPerPass * kSrcPitch);
+  if constexpr (kRows % kRowsPerPass != 0) {
+    constexpr int kDone = kRows / kRowsPerPass * kRowsPerPass;
+    if (row < kRows - kDone) ops.cp16(dst + kDone * kDstPitch, src + kDone * kSrcPitch);
+  }
+}
+
+// load_stage with copy_rows: the same pieces to the same places.
+KDA_OPS_BODY
+template <int kThreads, class Ops>
+__host__ __device__ __forceinline__ void load_stage_unrolled(Ops& ops, uint32_t stage,
+                                                             const unsigned char* rec,
+                                                             int vbase, int tid) {
+  using S = StateTraits;
+  // W and Qt are consecutive 64-row tiles in the record and in the stage: 128 rows.
+  copy_rows<kThreads, 2 * kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
+      ops, stage + S::kW, rec + Record::kW, tid);
+  copy_rows<kThreads, kChunk / 2, Record::kKbPairFloats * 4 / 16, Record::kKbPairFloats * 4,
+            S::kPitchKb>(ops, stage + S::kKb, rec + Record::kKb, tid);
+  copy_rows<kThreads, kChunk, kChunk * 2 / 16, kChunk * 2, S::kPitchMp>(
+      ops, stage + S::kMp, rec + Record::kMp, tid);
+  copy_rows<kThreads, S::kColumns, kChunk * 4 / 16, kChunk * 4, S::kPitchUv>(
+      ops, stage + S::kUvT, rec + Record::kUvT + vbase * kChunk * 4, tid);
+  copy_rows<kThreads, 1, kHeadDim * 4 / 16, kHeadDim * 4, kHeadDim * 4>(
+      ops, stage + S::kGamma, rec + Record::kGamma, tid);
+}
+
+// One (sequence, head, value slice) of phase 2 in the K-split form, as thread `tid` of
+// SplitTraits<kKSplit>::kThreads. Exits are uniform over the block, as in state_block.
+KDA_OPS_BODY
+template <int kKSplit, class Ops>
+__host__ __device__ __forceinline__ void state_block_split(Ops& ops, const ChunkedParams& p,
+                                                           int64_t seq, int head, int slice,
+                                                           int tid) {
+  using S = StateTraits;
+  using T = SplitTraits<kKSplit>;
+  constexpr int kKeyTiles = T::kKeys / 8;  // n-tiles of the warp's state slice
+  const SeqSpan span = sequence_span(p, seq);
+  if (!span.active) return;
+  const int64_t first = conv::first_program(p.query_start_loc[seq], seq, kChunkShift);
+  const int64_t nchunks = (span.eos - span.bos + kChunk - 1) / kChunk;
+  if (first < 0 || first + nchunks > p.slots) return;
+
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  const int vt = warp / kKSplit, ks = warp % kKSplit;  // value tile, key slice
+  const int vbase = slice * T::kColumns;
+  const int vrow = vt * S::kRowsPerWarp;
+  const int v0 = vbase + vrow;
+  const int kbase = ks * T::kKeys;
+
+  // The warp's slice of S^T: st[nt] holds value rows v0 + (g, g + 8) and key channels
+  // kbase + 8 nt + (2t, 2t + 1).
+  float st[kKeyTiles][4];
+  float* state = p.states + span.line * p.state_line + head * p.state_head;
+  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
+KDA_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
+      st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
+    }
+  }
+
+  unsigned char* smem = ops.smem();
+  const uint32_t smem_base = ops.smem_addr(smem);
+  // ldmatrix offsets as in state_block; the W / Qt ones start at the warp's key channels.
+  const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16 + kbase * 2;
+  const uint32_t off_mp = (r8 + 8 * (m >> 1)) * S::kPitchMp + (m & 1) * 16;
+  unsigned char* xchg_mine = smem + T::kXchg + warp * T::kXchgWarpBytes + lane * 16;
+  const unsigned char* xchg_other =
+      smem + T::kXchg + (warp ^ (kKSplit - 1)) * T::kXchgWarpBytes + lane * 16;
+
+  const int64_t rec_step = static_cast<int64_t>(p.num_heads) * Record::kBytes;
+  const unsigned char* rec = record_of(p, first, head);
+  load_stage_unrolled<T::kThreads>(ops, smem_base, rec, vbase, tid);
+  ops.cp_commit();
+KDA_UNROLL_1
+  for (int64_t n = 0; n < nchunks; ++n) {
+    ops.cp_wait_all();  // this thread's pieces of chunk n have landed
+    // ... and everyone's; everyone is also done with chunk n - 1, whose stage is refilled next.
+    ops.sync();
+    if (n + 1 < nchunks) {
+      rec += rec_step;
+      load_stage_unrolled<T::kThreads>(ops, smem_base + ((n + 1) & 1) * S::kStageBytes, rec,
+                                       vbase, tid);
+      ops.cp_commit();
+    }
+    const uint32_t stage = smem_base + (n & 1) * S::kStageBytes;
+    const unsigned char* stage_ptr = smem + (n & 1) * S::kStageBytes;
+    const float* uvt = reinterpret_cast<const float*>(stage_ptr + S::kUvT);
+    const float* gamma = reinterpret_cast<const float*>(stage_ptr + S::kGamma) + kbase;
+
+    // S0^T (the warp's channels) as bf16 A fragments: k-step kk covers kbase + [16 kk, 16 kk + 16).
+    uint32_t sf[T::kKeys / 16][4];
+KDA_UNROLL
+    for (int kk = 0; kk < T::kKeys / 16; ++kk) {
+      sf[kk][0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
+      sf[kk][1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
+      sf[kk][2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      sf[kk][3] = pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+    }
+
+    // Partial ua = -U^T (S0^T W^T, minus Uv^T in slice 0) and oa = O^T (S0^T Qt^T). After the
+    // exchange ua holds +U^T.
+    float ua[T::kTokenTiles][4], oa[T::kTokenTiles][4];
+    constexpr int kUvFloats = S::kPitchUv / 4;
+    if (ks == 0) {
+KDA_UNROLL
+      for (int nt = 0; nt < T::kTokenTiles; ++nt) {
+        const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
+        const float* hi = lo + 8 * kUvFloats;
+        ua[nt][0] = -lo[0];
+        ua[nt][1] = -lo[1];
+        ua[nt][2] = -hi[0];
+        ua[nt][3] = -hi[1];
+      }
+    } else {
+KDA_UNROLL
+      for (int nt = 0; nt < T::kTokenTiles; ++nt)
+        ua[nt][0] = ua[nt][1] = ua[nt][2] = ua[nt][3] = 0.0f;
+    }
+KDA_UNROLL
+    for (int nt = 0; nt < T::kTokenTiles; ++nt)
+      oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
+KDA_UNROLL
+    for (int kk = 0; kk < T::kKeys / 16; ++kk) {
+KDA_UNROLL
+      for (int np = 0; np < kSubBlocks; ++np) {
+        uint32_t b[4];
+        const uint32_t tile_off = off_tile + np * 16 * S::kPitchTile + kk * 32;
+        ops.ldsm_x4(b, stage + S::kW + tile_off);
+        ops.mma(ua[2 * np], sf[kk], b[0], b[1]);
+        ops.mma(ua[2 * np + 1], sf[kk], b[2], b[3]);
+        ops.ldsm_x4(b, stage + S::kQt + tile_off);
+        ops.mma(oa[2 * np], sf[kk], b[0], b[1]);
+        ops.mma(oa[2 * np + 1], sf[kk], b[2], b[3]);
+      }
+    }
+
+    if constexpr (kKSplit > 1) {
+      // The exchange. Slots are reused every chunk: the other warp read this chunk's before
+      // it reached the next chunk's block barrier, which precedes the next writes.
+KDA_UNROLL
+      for (int nt = 0; nt < T::kTokenTiles; ++nt)
+        st_as<float4>(xchg_mine + nt * T::kSlotBytes,
+                      make_float4(ua[nt][0], ua[nt][1], ua[nt][2], ua[nt][3]));
+KDA_UNROLL
+      for (int np = 0; np < kSubBlocks; ++np) {
+        if (o_block_owner(np, kKSplit) == ks) continue;
+KDA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const float* o = oa[2 * np + h];
+          st_as<float4>(xchg_mine + (T::kTokenTiles + 2 * np + h) * T::kSlotBytes,
+                        make_float4(o[0], o[1], o[2], o[3]));
+        }
+      }
+      // Barrier 1 + vt, with the id spelled as a constant so that ptxas reserves 3 barriers.
+      if (vt == 0) ops.named_sync(1, T::kPairThreads);
+      else ops.named_sync(2, T::kPairThreads);
+      // U^T = -(P_mine + P_other): the same bits in both warps.
+KDA_UNROLL
+      for (int nt = 0; nt < T::kTokenTiles; ++nt) {
+        const float4 x = ld_as<float4>(xchg_other + nt * T::kSlotBytes);
+        ua[nt][0] = -(ua[nt][0] + x.x);
+        ua[nt][1] = -(ua[nt][1] + x.y);
+        ua[nt][2] = -(ua[nt][2] + x.z);
+        ua[nt][3] = -(ua[nt][3] + x.w);
+      }
+KDA_UNROLL
+      for (int np = 0; np < kSubBlocks; ++np) {
+        if (o_block_owner(np, kKSplit) != ks) continue;
+KDA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const float4 x =
+              ld_as<float4>(xchg_other + (T::kTokenTiles + 2 * np + h) * T::kSlotBytes);
+          oa[2 * np + h][0] += x.x;
+          oa[2 * np + h][1] += x.y;
+          oa[2 * np + h][2] += x.z;
+          oa[2 * np + h][3] += x.w;
+        }
+      }
+    } else {
+KDA_UNROLL
+      for (int nt = 0; nt < T::kTokenTiles; ++nt)
+KDA_UNROLL
+        for (int r = 0; r < 4; ++r) ua[nt][r] = -ua[nt][r];
+    }
+
+    // U^T as bf16 A fragments: k-step kq covers tokens [16 kq, 16 kq + 16).
+    uint32_t uf[kChunk / 16][4];
+KDA_UNROLL
+    for (int kq = 0; kq < kChunk / 16; ++kq) {
+      uf[kq][0] = pack_bf16(ua[2 * kq][0], ua[2 * kq][1]);
+      uf[kq][1] = pack_bf16(ua[2 * kq][2], ua[2 * kq][3]);
+      uf[kq][2] = pack_bf16(ua[2 * kq + 1][0], ua[2 * kq + 1][1]);
+      uf[kq][3] = pack_bf16(ua[2 * kq + 1][2], ua[2 * kq + 1][3]);
+    }
+
+    // The warp's channels of S^T = S0^T diag(gamma) + U^T Kb' in tf32, fragments as in
+    // state_block (token pairs 8 s + 2t, 8 s + 2t + 1 as the k = t, t + 4 of the m16n8k8).
+KDA_UNROLL
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+      const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
+      st[nt][0] *= gm0;
+      st[nt][1] *= gm1;
+      st[nt][2] *= gm0;
+      st[nt][3] *= gm1;
+    }
+    const float* kb = reinterpret_cast<const float*>(stage_ptr + S::kKb) + 2 * kbase;
+KDA_UNROLL
+    for (int s = 0; s < kChunk / 8; ++s) {
+      const uint32_t a[4] = {tf32_bits(ua[s][0]), tf32_bits(ua[s][2]), tf32_bits(ua[s][1]),
+                             tf32_bits(ua[s][3])};
+      const float* pair_row = kb + (4 * s + t) * S::kPitchKbFloats + 2 * g;
+KDA_UNROLL
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+        const uint2 b = ld_as<uint2>(pair_row + 16 * nt);
+        ops.mma_tf32(st[nt], a, b.x, b.y);
+      }
+    }
+
+    // oa += U^T M'^T on the O blocks this warp owns (token blocks kq <= np only).
+KDA_UNROLL
+    for (int np = 0; np < kSubBlocks; ++np) {
+      if (o_block_owner(np, kKSplit) != ks) continue;
+KDA_UNROLL
+      for (int kq = 0; kq <= np; ++kq) {
+        uint32_t b[4];
+        ops.ldsm_x4(b, stage + S::kMp + off_mp + np * 16 * S::kPitchMp + kq * 32);
+        ops.mma(oa[2 * np], uf[kq], b[0], b[1]);
+        ops.mma(oa[2 * np + 1], uf[kq], b[2], b[3]);
+      }
+    }
+
+    // o rows of the owned blocks: token 8 nt + 2t + (r & 1), value column v0 + g + 8 (r >> 1).
+    // Two row pointers (tokens 2t and 2t + 1 of the n-tile) step 8 rows per n-tile.
+    const int64_t t0 = span.bos + n * kChunk;
+    const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
+    __nv_bfloat16* orow0 =
+        p.o + (t0 + 2 * t) * p.o_stride + static_cast<int64_t>(head) * kHeadDim + v0 + g;
+    __nv_bfloat16* orow1 = orow0 + p.o_stride;
+    const int64_t step8 = 8 * p.o_stride;
+KDA_UNROLL
+    for (int nt = 0; nt < T::kTokenTiles; ++nt, orow0 += step8, orow1 += step8) {
+      if (o_block_owner(nt / 2, kKSplit) != ks) continue;
+      const int i = 8 * nt + 2 * t;
+      if (i < rows) {
+        orow0[0] = __float2bfloat16_rn(oa[nt][0]);
+        orow0[8] = __float2bfloat16_rn(oa[nt][2]);
+      }
+      if (i + 1 < rows) {
+        orow1[0] = __float2bfloat16_rn(oa[nt][1]);
+        orow1[8] = __float2bfloat16_rn(oa[nt][3]);
+      }
+    }
+  }
+
+KDA_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
       state[c * p.state_k + v * p.state_v] = st[nt][r];
     }
   }

@@ -1,7 +1,7 @@
 // kda_chunked (the chunked KDA recurrence on tensor cores) on the GPU, against the float64
 // reference (kda::ref::prep_recurrence) and against the token-by-token kernel
-// kda_prep_recurrence, fed the same bf16 inputs. KDA_TEST_QUICK=1 runs a reduced set (for
-// compute-sanitizer).
+// kda_prep_recurrence, fed the same bf16 inputs, with each phase-2 kernel (KdaStateKernel).
+// KDA_TEST_QUICK=1 runs a reduced set (for compute-sanitizer).
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -242,9 +242,9 @@ struct Problem {
   }
 
   // Poisons o and the workspace, restores the starting pool, launches, waits.
-  void run_chunked(kda::Stream stream = nullptr) {
+  void run_chunked(kda::KdaStateKernel kernel = kda::KdaStateKernel::KSplit, kda::Stream stream = nullptr) {
     reset();
-    kda::kda_chunked(args(), d_work.get(), d_work.bytes(), stream);
+    kda::kda_chunked(args(), d_work.get(), d_work.bytes(), stream, kda::KdaChunkedPhases::Both, kernel);
     kda::test::device_synchronize();
   }
   void run_simple() {
@@ -369,11 +369,23 @@ Worst check_simple(const Problem& pr, const Problem::Result& got, const Problem:
       simple.pool, 1e-2, 5e-3);
 }
 
-std::string describe(const char* what, int64_t heads, const std::optional<double>& bound,
+// The phase-2 kernels, the default first; Original last (the others are compared with it).
+constexpr kda::KdaStateKernel kStateKernels[] = {kda::KdaStateKernel::KSplit, kda::KdaStateKernel::Unsplit,
+                                                 kda::KdaStateKernel::Original};
+std::string kernel_name(kda::KdaStateKernel kernel) {
+  switch (kernel) {
+    case kda::KdaStateKernel::KSplit: return "KSplit";
+    case kda::KdaStateKernel::Unsplit: return "Unsplit";
+    case kda::KdaStateKernel::Original: return "Original";
+  }
+  return "?";
+}
+
+std::string describe(const char* what, kda::KdaStateKernel kernel, int64_t heads, const std::optional<double>& bound,
                      const PoolLayout& layout, const Worst& ref, const Worst& simple) {
   std::ostringstream os;
-  os << what << ", H " << heads << (bound ? ", lower bound, " : ", softplus, ") << layout.name
-     << ": worst relative error vs float64 o " << ref.o << ", state " << ref.state
+  os << what << " (" << kernel_name(kernel) << "), H " << heads << (bound ? ", lower bound, " : ", softplus, ")
+     << layout.name << ": worst relative error vs float64 o " << ref.o << ", state " << ref.state
      << "; vs kda_prep_recurrence o " << simple.o << ", state " << simple.state;
   return os.str();
 }
@@ -397,16 +409,40 @@ TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kern
         Problem pr(heads, bound, layout, batch, rng, /*padded=*/transposed, /*centred_keys=*/transposed);
         pr.run_simple();
         const Problem::Result simple = pr.result();
-        pr.run_chunked();
-        const Problem::Result got = pr.result();
-        const Worst vs_ref = check_reference(pr, got, pr.reference());
-        const Worst vs_simple = check_simple(pr, got, simple);
-        MESSAGE(describe("varlen", heads, bound, layout, vs_ref, vs_simple));
+        const Problem::Reference ref = pr.reference();
+        std::vector<Problem::Result> results;
+        for (kda::KdaStateKernel kernel : kStateKernels) {
+          const std::string name = kernel_name(kernel);
+          CAPTURE(name);
+          pr.run_chunked(kernel);
+          results.push_back(pr.result());
+          const Problem::Result& got = results.back();
+          const Worst vs_ref = check_reference(pr, got, ref);
+          const Worst vs_simple = check_simple(pr, got, simple);
+          MESSAGE(describe("varlen", kernel, heads, bound, layout, vs_ref, vs_simple));
 
-        pr.run_chunked();  // from the same starting pool: bitwise the same
-        const Problem::Result again = pr.result();
-        CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
-        CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+          pr.run_chunked(kernel);  // from the same starting pool: bitwise the same
+          const Problem::Result again = pr.result();
+          CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
+          CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+        }
+        // Against the first kernel: the same records, the key channels summed in another order
+        // (KSplit) or the same order (Unsplit: the CPU emulation gives the same bits).
+        const Problem::Result& original = results.back();
+        for (size_t i = 0; i + 1 < results.size(); ++i) {
+          const std::string name = kernel_name(kStateKernels[i]);
+          CAPTURE(name);
+          const Worst vs_original = check_against(
+              pr, results[i],
+              [&](int64_t r, int64_t c) {
+                return kda::ref::bf16_value(original.o[static_cast<size_t>(r * pr.o_stride + c)]);
+              },
+              original.pool, 1e-3, 5e-4);
+          MESSAGE(name, " vs Original: worst o difference ", vs_original.o, ", state ", vs_original.state,
+                  "; differing bits: o ",
+                  kda::test::diff_bits(results[i].o.data(), original.o.data(), original.o.size() * 2), ", pool ",
+                  kda::test::diff_bits(results[i].pool.data(), original.pool.data(), original.pool.size() * 4));
+        }
       }
     }
   }
@@ -436,12 +472,17 @@ TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
     Problem pr(cs.heads, cs.bound, contiguous(cs.heads), batch, rng, false, /*centred_keys=*/false);
     pr.run_simple();
     const Problem::Result simple = pr.result();
-    pr.run_chunked();
-    const Problem::Result got = pr.result();
-    const Worst vs_ref = check_reference(pr, got, pr.reference());
-    const Worst vs_simple = check_simple(pr, got, simple);
-    MESSAGE(describe(cs.lengths.size() == 1 ? "one long sequence" : "16 x 1024", cs.heads, cs.bound,
-                     contiguous(cs.heads), vs_ref, vs_simple));
+    const Problem::Reference ref = pr.reference();
+    for (kda::KdaStateKernel kernel : kStateKernels) {
+      const std::string name = kernel_name(kernel);
+      CAPTURE(name);
+      pr.run_chunked(kernel);
+      const Problem::Result got = pr.result();
+      const Worst vs_ref = check_reference(pr, got, ref);
+      const Worst vs_simple = check_simple(pr, got, simple);
+      MESSAGE(describe(cs.lengths.size() == 1 ? "one long sequence" : "16 x 1024", kernel, cs.heads, cs.bound,
+                       contiguous(cs.heads), vs_ref, vs_simple));
+    }
   }
 }
 
@@ -518,7 +559,13 @@ TEST_CASE("kda_chunked with bad arguments or workspace throws and enqueues nothi
     work = static_cast<char*>(work) + 8;
     expected = "16-byte aligned";
   }
-  CHECK_THROWS_WITH_AS(kda::kda_chunked(a, work, bytes, nullptr), doctest::Contains(expected.c_str()), kda::Error);
+  kda::KdaStateKernel kernel = kda::KdaStateKernel::KSplit;
+  SUBCASE("unknown state kernel") {
+    kernel = static_cast<kda::KdaStateKernel>(7);
+    expected = "state_kernel";
+  }
+  CHECK_THROWS_WITH_AS(kda::kda_chunked(a, work, bytes, nullptr, kda::KdaChunkedPhases::Both, kernel),
+                       doctest::Contains(expected.c_str()), kda::Error);
   kda::test::device_synchronize();
   const Problem::Result after = pr.result();
   CHECK(std::count(after.o.begin(), after.o.end(), kNanBf16) == static_cast<std::ptrdiff_t>(after.o.size()));
