@@ -179,7 +179,7 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   rows.push_back({cs.name, "kda_prep_recurrence (token by token)",
                   median_us([&](cudaStream_t s) { kda::kda_prep_recurrence(a, s); }, stream, warmup, reps), 0.0,
                   4 * plane_bytes + b_bytes + state_bytes + plane_bytes});
-  rows.push_back({cs.name, "kda_chunked (KSplit)",
+  rows.push_back({cs.name, "kda_chunked (default: Unsplit)",
                   median_us([&](cudaStream_t s) { kda::kda_chunked(a, work.get(), work.bytes(), s); }, stream,
                             warmup, reps),
                   prep_flop + state_flop, 4 * plane_bytes + b_bytes + 2 * record_bytes + state_bytes + plane_bytes});
@@ -190,8 +190,8 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
                   prep_flop, 4 * plane_bytes + b_bytes + record_bytes});
   // Phase 2 per state kernel, on the records of the phase-1 launches above.
   const std::pair<kda::KdaStateKernel, const char*> state_kernels[] = {
-      {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit (default)"},
-      {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit"},
+      {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit"},
+      {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit (default)"},
       {kda::KdaStateKernel::Original, "  phase 2 (state, o): Original"},
   };
   for (const auto& [kernel, label] : state_kernels)

@@ -242,7 +242,7 @@ struct Problem {
   }
 
   // Poisons o and the workspace, restores the starting pool, launches, waits.
-  void run_chunked(kda::KdaStateKernel kernel = kda::KdaStateKernel::KSplit, kda::Stream stream = nullptr) {
+  void run_chunked(kda::KdaStateKernel kernel = kda::KdaStateKernel::Unsplit, kda::Stream stream = nullptr) {
     reset();
     kda::kda_chunked(args(), d_work.get(), d_work.bytes(), stream, kda::KdaChunkedPhases::Both, kernel);
     kda::test::device_synchronize();
