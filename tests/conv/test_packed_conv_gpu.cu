@@ -45,6 +45,7 @@ using kda::DType;
 using kda::PackedConvArgs;
 using kda::test::DeviceBuffer;
 using kda::test::diff_bits;
+using kda::test::Stream;
 
 bool quick() {
   static const bool q = [] {
@@ -593,11 +594,6 @@ void check_problem(const Spec& spec, Rng& rng, cudaStream_t stream) {
   CHECK(beyond64 == 0);
 }
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { KDA_TEST_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s); }
-};
 
 // 7 fixed lengths (0, 1, 2, 3 and both sides of a 64-token chunk) plus random ones, up to
 // max_seqs sequences and about token_budget tokens, shuffled.
@@ -710,7 +706,7 @@ TEST_CASE("the packed conv equals the stock path bit for bit over part_dim, dtyp
     s.seq_pad = rng.range(0, 5);
     s.token_pad = rng.range(0, 300);
     s.lens = random_lengths(rng, 300, std::max<int64_t>(budget / (s.part_dim * s.parts), 400));
-    check_problem(s, rng, stream.s);
+    check_problem(s, rng, stream.get());
   }
 }
 
@@ -729,7 +725,7 @@ TEST_CASE("the packed conv equals the stock path on a 16384-token sequence next 
     s.init_frac = 0.7;
     s.null_frac = 0.0;
     s.oob_frac = 0.0;
-    check_problem(s, rng, stream.s);
+    check_problem(s, rng, stream.get());
   }
   if (!quick()) {
     SUBCASE("fp32, one 4096-wide plane, state_len 4, bias, no SiLU") {
@@ -744,7 +740,7 @@ TEST_CASE("the packed conv equals the stock path on a 16384-token sequence next 
       s.init_frac = 1.0;
       s.null_frac = 0.0;
       s.oob_frac = 0.0;
-      check_problem(s, rng, stream.s);
+      check_problem(s, rng, stream.get());
     }
   }
 }
@@ -803,7 +799,7 @@ TEST_CASE("the packed conv equals the stock path on batch shapes at the edges") 
     s.null_frac = 0.0;
     s.oob_frac = 0.0;
   }
-  check_problem(s, rng, stream.s);
+  check_problem(s, rng, stream.get());
 }
 
 TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
@@ -824,7 +820,7 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     DeviceInputs in(hp);
     DeviceOutputs packed(hp), stock(hp);
     stock.reset(hp);
-    run_stock(device_args(hp, in, stock), stream.s);
+    run_stock(device_args(hp, in, stock), stream.get());
     const Result rs = stock.download();
     const PackedConvArgs pa = device_args(hp, in, packed);
     int run = 0, invalid = 0;
@@ -846,8 +842,8 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
           CAPTURE(chunk);
           CAPTURE(w);
           packed.reset(hp);
-          kda::conv::launch_packed_conv(pa, t, stream.s);
-          KDA_TEST_CUDA(cudaStreamSynchronize(stream.s));
+          kda::conv::launch_packed_conv(pa, t, stream.get());
+          KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
           const Result rp = packed.download();
           const int64_t bits = diff_bits(rp.out.data(), rs.out.data(), rp.out.size()) +
                                diff_bits(rp.states.data(), rs.states.data(), rp.states.size() * sizeof(float));
@@ -888,9 +884,9 @@ TEST_CASE("a captured packed launch replays new batches exactly like eager launc
 
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  KDA_TEST_CUDA(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeThreadLocal));
-  kda::packed_causal_conv1d(ga, stream.s);
-  KDA_TEST_CUDA(cudaStreamEndCapture(stream.s, &graph));
+  KDA_TEST_CUDA(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  kda::packed_causal_conv1d(ga, stream.get());
+  KDA_TEST_CUDA(cudaStreamEndCapture(stream.get(), &graph));
   KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
 
   const int replays = quick() ? 8 : 20;
@@ -910,15 +906,15 @@ TEST_CASE("a captured packed launch replays new batches exactly like eager launc
     in.upload_batch(hp);
 
     graph_out.reset(hp);
-    KDA_TEST_CUDA(cudaGraphLaunch(exec, stream.s));
-    KDA_TEST_CUDA(cudaStreamSynchronize(stream.s));
+    KDA_TEST_CUDA(cudaGraphLaunch(exec, stream.get()));
+    KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
     const Result rg = graph_out.download();
     eager_out.reset(hp);
-    kda::packed_causal_conv1d(ea, stream.s);
-    KDA_TEST_CUDA(cudaStreamSynchronize(stream.s));
+    kda::packed_causal_conv1d(ea, stream.get());
+    KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
     const Result re = eager_out.download();
     stock_out.reset(hp);
-    run_stock(sa, stream.s);
+    run_stock(sa, stream.get());
     const Result rs = stock_out.download();
 
     const int64_t bits = diff_bits(rg.out.data(), re.out.data(), rg.out.size()) +
@@ -987,21 +983,21 @@ TEST_CASE("the packed kernel and the stock baseline reject the same malformed ar
     CHECK_FALSE(ok);
     if (ok) continue;  // launching would touch memory the arguments do not describe
     CHECK_FALSE(why.empty());
-    CHECK_THROWS_AS(kda::packed_causal_conv1d(pa, stream.s), kda::Error);
-    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(sa, ws.get(), need, stream.s),
+    CHECK_THROWS_AS(kda::packed_causal_conv1d(pa, stream.get()), kda::Error);
+    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(sa, ws.get(), need, stream.get()),
                          doctest::Contains(why.c_str()), kda::Error);
     CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d_workspace_bytes(sa),
                          doctest::Contains("kda::baseline::stock_causal_conv1d_workspace_bytes"), kda::Error);
   }
   SUBCASE("the stock baseline names a missing or short workspace") {
-    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(good_s, ws.get(), need - 1, stream.s),
+    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(good_s, ws.get(), need - 1, stream.get()),
                          doctest::Contains("workspace_bytes"), kda::Error);
-    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(good_s, nullptr, need, stream.s),
+    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(good_s, nullptr, need, stream.get()),
                          doctest::Contains("workspace is null"), kda::Error);
-    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(good_s, ws.as<char>() + 4, need, stream.s),
+    CHECK_THROWS_WITH_AS(kda::baseline::stock_causal_conv1d(good_s, ws.as<char>() + 4, need, stream.get()),
                          doctest::Contains("aligned"), kda::Error);
   }
-  KDA_TEST_CUDA(cudaStreamSynchronize(stream.s));
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
   for (const DeviceOutputs* o : {&packed, &stock}) {
     const Result r = o->download();
     CHECK(r.states == hp.states);

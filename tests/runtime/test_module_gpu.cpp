@@ -31,6 +31,7 @@ namespace {
 using kda::PrefillModule;
 using kda::test::DeviceBuffer;
 using kda::test::diff_bits;
+using kda::test::Stream;
 
 bool quick() {
   const char* q = std::getenv("KDA_TEST_QUICK");
@@ -285,15 +286,6 @@ int64_t replays_of_bucket(const kda::ModuleStats& st, int64_t bucket) {
   return n;
 }
 
-class Stream {
- public:
-  Stream() { KDA_TEST_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s_); }
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
 
 // Two modules with the same weights, one replaying graphs and one eager, fed the same batches.
 void check_replays_match_eager(const kda::Config& cfg, cudaStream_t stream, int quick_batches) {

@@ -36,6 +36,7 @@ namespace {
 using kda::PrefillModule;
 using kda::detail::HostLayerTensors;
 using kda::test::diff_bits;
+using kda::test::Stream;
 
 template <typename T>
 std::vector<T> download(const void* p, int64_t count) {
@@ -289,15 +290,6 @@ void check_emulated_ranks(const kda::Config& full, const Reference& ref, const H
   CHECK(oc.rel_frobenius <= 1e-2);
 }
 
-class Stream {
- public:
-  Stream() { KDA_TEST_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s_); }
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
 
 std::vector<std::string> step_names(const std::vector<kda::StepTiming>& t) {
   std::vector<std::string> n;

@@ -66,4 +66,7 @@ int64_t diff_elements(const void* a, const void* b, std::size_t bytes, std::size
 
 void device_synchronize() { KDA_TEST_CUDA(cudaDeviceSynchronize()); }
 
+Stream::Stream() { KDA_TEST_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+Stream::~Stream() { cudaStreamDestroy(s_); }
+
 }  // namespace kda::test

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "kda/packed_conv.h"  // kda::Stream
+
 namespace kda::test {
 
 // Throws std::runtime_error naming the call when a CUDA runtime call fails.
@@ -60,5 +62,18 @@ int64_t diff_bits(const void* a, const void* b, std::size_t bytes);
 int64_t diff_elements(const void* a, const void* b, std::size_t bytes, std::size_t elem_bytes);
 
 void device_synchronize();
+
+// A non-blocking CUDA stream owned for a test's duration.
+class Stream {
+ public:
+  Stream();
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  kda::Stream get() const { return s_; }
+
+ private:
+  kda::Stream s_ = nullptr;
+};
 
 }  // namespace kda::test
