@@ -20,6 +20,7 @@
 #include "layer/layer_reference.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
+#include "support/host_batch.h"
 
 namespace {
 
@@ -43,18 +44,7 @@ std::vector<float> bf16_to_floats(const std::vector<uint16_t>& bits) {
   return f;
 }
 
-struct Batch {
-  std::vector<int32_t> qsl{0}, lines;
-  std::unique_ptr<bool[]> flags;
-  kda::BatchView view() const {
-    kda::BatchView v;
-    v.query_start_loc = qsl.data();
-    v.cache_indices = lines.data();
-    v.has_initial_state = flags.get();
-    v.num_seqs = static_cast<int64_t>(lines.size());
-    return v;
-  }
-};
+using Batch = kda::test::HostBatch;
 
 Batch make_batch(const std::vector<int32_t>& lengths, bool initial) {
   Batch b;

@@ -30,12 +30,14 @@
 #include "runtime/random_weights.h"
 #include "runtime/tp_shard.h"
 #include "support/gpu_buffers.h"
+#include "support/host_batch.h"
 
 namespace {
 
 using kda::PrefillModule;
 using kda::detail::HostLayerTensors;
 using kda::test::diff_bits;
+using kda::test::HostBatch;
 using kda::test::Stream;
 
 template <typename T>
@@ -85,19 +87,6 @@ kda::Config rank_config(const kda::Config& full, int64_t size, int64_t rank) {
   return c;
 }
 
-struct HostBatch {
-  std::vector<int32_t> qsl{0}, lines;
-  std::unique_ptr<bool[]> flags;
-  kda::BatchView view() const {
-    kda::BatchView v;
-    v.query_start_loc = qsl.data();
-    v.cache_indices = lines.data();
-    v.has_initial_state = flags.get();
-    v.num_seqs = static_cast<int64_t>(lines.size());
-    return v;
-  }
-  int64_t tokens() const { return qsl.back(); }
-};
 
 // 736 tokens in 8 sequences (one empty), 3 windows of the 256-token bucket; sequence s on line
 // s + 1 except every fourth, which sits on the null line (skipped).
