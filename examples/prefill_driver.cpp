@@ -36,6 +36,7 @@
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
+#include "runtime/host_layer_tensors.h"  // the full model's weights to and from the host
 #include "runtime/tp_shard.h"  // the driver cuts the full model's host weights and pools per rank
 
 namespace {
@@ -255,35 +256,7 @@ void upload_vec(void* dst, const std::vector<T>& v) {
   cuda_try(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
-// One layer's weights of the module's model, read back from the device as host tensors.
-kda::detail::HostLayerTensors download_weights(const kda::PrefillModule& m, int layer) {
-  const kda::ModelConfig& mc = m.config().model;
-  const int64_t D = mc.hidden_size, P = mc.part_dim(), r = mc.gate_rank;
-  const kda::LayerWeights& w = m.layer_weights(layer);
-  kda::detail::HostLayerTensors t;
-  t.in_proj = download_vec<uint16_t>(w.in_proj, mc.in_proj_cols() * D);  // rows past W_in are padding
-  t.conv_weight = download_vec<float>(w.conv_weight, 3 * P * 4);
-  t.f_b = download_vec<uint16_t>(w.f_b, P * r);
-  t.g_b = download_vec<uint16_t>(w.g_b, P * r);
-  t.A_log = download_vec<float>(w.A_log, mc.num_heads);
-  t.dt_bias = download_vec<float>(w.dt_bias, P);
-  t.o_norm_weight = download_vec<uint16_t>(w.o_norm_weight, mc.head_dim);
-  t.o_proj = download_vec<uint16_t>(w.o_proj, D * P);
-  return t;
-}
 
-kda::LayerWeights host_view(const kda::detail::HostLayerTensors& t) {
-  kda::LayerWeights w;
-  w.in_proj = t.in_proj.data();  // in_proj_rows 0: W_in rows, padded by upload_layer_weights
-  w.conv_weight = t.conv_weight.data();
-  w.f_b = t.f_b.data();
-  w.g_b = t.g_b.data();
-  w.A_log = t.A_log.data();
-  w.dt_bias = t.dt_bias.data();
-  w.o_norm_weight = t.o_norm_weight.data();
-  w.o_proj = t.o_proj.data();
-  return w;
-}
 
 int64_t conv_pool_elems(const kda::Config& c) { return c.pools.cache_lines * 3 * c.model.part_dim() * 3; }
 int64_t rec_pool_elems(const kda::Config& c) { return c.pools.cache_lines * c.model.num_heads * 128 * 128; }
@@ -445,7 +418,7 @@ int run_tp(const Options& opt) {
     cuda_try(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     kda::PrefillModule m(full);
     m.init_random_weights(opt.seed);
-    for (int l = 0; l < layers; ++l) weights.push_back(download_weights(m, l));
+    for (int l = 0; l < layers; ++l) weights.push_back(kda::detail::download_layer_tensors(m, l));
     upload_vec(m.hidden_states(), hidden);
     m.run(first.view(), s);
     cuda_try(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -493,7 +466,7 @@ int run_tp(const Options& opt) {
           m = std::make_unique<kda::PrefillModule>(rank_cfg[r]);
           m->set_communicator(comms[r]);
           for (int l = 0; l < layers; ++l) {
-            m->upload_layer_weights(l, host_view(kda::detail::shard_layer(full.model, weights[l], N, r)));
+            m->upload_layer_weights(l, kda::detail::host_weights_view(kda::detail::shard_layer(full.model, weights[l], N, r)));
             upload_vec(m->conv_state_pool(l), kda::detail::shard_conv_pool(full.model, conv0[l], lines, N, r));
             upload_vec(m->recurrent_state_pool(l), kda::detail::shard_recurrent_pool(full.model, rec0[l], lines, N, r));
           }

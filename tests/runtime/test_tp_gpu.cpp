@@ -28,6 +28,7 @@
 #include "kda/error.h"
 #include "kda/prefill.h"
 #include "runtime/random_weights.h"
+#include "runtime/host_layer_tensors.h"
 #include "runtime/tp_shard.h"
 #include "support/gpu_buffers.h"
 #include "support/host_batch.h"
@@ -111,36 +112,7 @@ std::vector<int64_t> rows_that_ran(const HostBatch& b) {
   return rows;
 }
 
-// One layer's weights as host tensors of the module's own model, read back from the device.
-HostLayerTensors download_weights(const PrefillModule& m, int layer) {
-  const kda::ModelConfig& mc = m.config().model;
-  const int64_t D = mc.hidden_size, P = mc.part_dim(), r = mc.gate_rank;
-  const kda::LayerWeights& w = m.layer_weights(layer);
-  HostLayerTensors t;
-  t.in_proj = download<uint16_t>(w.in_proj, mc.in_proj_cols() * D);  // rows past W_in are padding
-  t.conv_weight = download<float>(w.conv_weight, 3 * P * 4);
-  t.f_b = download<uint16_t>(w.f_b, P * r);
-  t.g_b = download<uint16_t>(w.g_b, P * r);
-  t.A_log = download<float>(w.A_log, mc.num_heads);
-  t.dt_bias = download<float>(w.dt_bias, P);
-  t.o_norm_weight = download<uint16_t>(w.o_norm_weight, mc.head_dim);
-  t.o_proj = download<uint16_t>(w.o_proj, D * P);
-  return t;
-}
 
-kda::LayerWeights host_view(const HostLayerTensors& t) {
-  kda::LayerWeights w;
-  w.in_proj = t.in_proj.data();
-  w.in_proj_rows = 0;  // W_in rows; upload_layer_weights pads them
-  w.conv_weight = t.conv_weight.data();
-  w.f_b = t.f_b.data();
-  w.g_b = t.g_b.data();
-  w.A_log = t.A_log.data();
-  w.dt_bias = t.dt_bias.data();
-  w.o_norm_weight = t.o_norm_weight.data();
-  w.o_proj = t.o_proj.data();
-  return w;
-}
 
 int64_t conv_pool_elems(const kda::Config& c) { return c.pools.cache_lines * 3 * c.model.part_dim() * 3; }
 int64_t rec_pool_elems(const kda::Config& c) { return c.pools.cache_lines * c.model.num_heads * 128 * 128; }
@@ -196,7 +168,7 @@ Reference run_reference(const kda::Config& full, const HostBatch& batch, cudaStr
   const int64_t D = full.model.hidden_size, T = batch.tokens();
   const int layers = static_cast<int>(full.runtime.num_layers);
   Reference r;
-  for (int l = 0; l < layers; ++l) r.weights.push_back(download_weights(ref, l));
+  for (int l = 0; l < layers; ++l) r.weights.push_back(kda::detail::download_layer_tensors(ref, l));
   const HostBatch warm = make_batch(false);
   kda::detail::fill_uniform_bf16(ref.hidden_states(), warm.tokens() * D, 41, uint64_t{1} << 40, -1.0f, 1.0f, s);
   ref.run(warm.view(), s);
@@ -237,7 +209,7 @@ void check_emulated_ranks(const kda::Config& full, const Reference& ref, const H
     m.set_partial_output(true);
     for (int l = 0; l < layers; ++l) {
       const HostLayerTensors shard = kda::detail::shard_layer(full.model, ref.weights[l], size, rank);
-      m.upload_layer_weights(l, host_view(shard));
+      m.upload_layer_weights(l, kda::detail::host_weights_view(shard));
       upload(m.conv_state_pool(l), kda::detail::shard_conv_pool(full.model, ref.conv0[l], lines, size, rank));
       upload(m.recurrent_state_pool(l), kda::detail::shard_recurrent_pool(full.model, ref.rec0[l], lines, size, rank));
     }
