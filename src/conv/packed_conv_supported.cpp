@@ -154,18 +154,8 @@ bool packed_causal_conv1d_supported(const PackedConvArgs& a, std::string* why) {
   }
 
   if (a.num_tokens > 0 && a.num_seqs > 0) {
-    const conv::PackedConvParams p = conv::make_params(a);
-    if (p.programs_per_col_block > kInt32Max)
-      return fail(why, str_cat("the launch needs ", p.programs_per_col_block,
-                               " programs per column block (num_tokens / 16 + num_seqs), more than the "
-                               "2147483647 a grid's x extent can hold"));
-    if (p.planes > conv::kMaxGridYZ)
-      return fail(why, str_cat("dim / part_dim = ", p.planes, " planes, more than the ", conv::kMaxGridYZ,
-                               " a grid's z extent can hold"));
-    if (p.col_groups_per_plane > conv::kMaxGridYZ)
-      return fail(why, str_cat("part_dim ", a.part_dim, " needs ", p.col_groups_per_plane,
-                               " column groups per plane, more than the ", conv::kMaxGridYZ,
-                               " a grid's y extent can hold"));
+    const std::string grid = conv::check_grid(conv::make_params(a));
+    if (!grid.empty()) return fail(why, grid);
   }
   if (why) why->clear();
   return true;
