@@ -32,6 +32,8 @@
 // memory. U and O are bf16 products (B tiles read with ldmatrix); the state update, whose
 // operands set the precision of the carried state, is a tf32 product (m16n8k8, B read as
 // 8-byte pairs), which keeps the final state's error near 3e-4 instead of 3e-3.
+// state_block_narrow (the last body) is the one form that is not transposed: 4 warps of 8 value
+// columns each, the values on the mma's n8 side, the record tiles as A operands.
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
 // barriers, shuffles, the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps
