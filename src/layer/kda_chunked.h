@@ -10,8 +10,8 @@
 //      record per (chunk slot, head) to the workspace.
 //   2. state, one block per (sequence, head, 32-column value slice): carries the state across
 //      the sequence's chunks in registers (fp32), O on bf16 and the state update on tf32
-//      tensor cores; by default two warps share each 16 value rows, one per half of the key
-//      channels (KdaStateKernel).
+//      tensor cores; by default one warp per 16 value rows and all 128 key channels
+//      (Unsplit; the other forms in KdaStateKernel).
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands): about 3e-3 relative Frobenius error on o (its own bf16 rounding is
 // 1.7e-3) and 3e-4 .. 8e-4 on the final states against the float64 reference
@@ -57,8 +57,13 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 //            phase 2 is the critical path), within 2% of it elsewhere, and bit-identical to
 //            Original;
 //   Original the first kernel (one warp per 16 value rows and all 128 channels), kept for
-//            comparison.
-enum class KdaStateKernel { KSplit, Unsplit, Original };
+//            comparison;
+//   Narrow   four warps per block, 8 value rows each (all 128 channels, no exchange): half of
+//            Unsplit's mma per warp and chunk and one warp on each of the SM's four
+//            schedulers, the products written untransposed (values on the mma's n8 side).
+//            Same per-element arithmetic as Unsplit (bit-identical in the CPU emulation). Not
+//            yet measured on a GPU.
+enum class KdaStateKernel { KSplit, Unsplit, Original, Narrow };
 
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
 // kda_chunked_workspace_bytes(args) bytes, 16-byte aligned; its contents on entry do not
