@@ -54,6 +54,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -184,6 +185,22 @@ __host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
 #endif
 }
 
+// A 16-byte shared-memory load that stays one ld.shared.v4.f32 on the device. For loads at
+// compile-time addresses (the fully unrolled solve of phase 1) nvcc splits a plain float4 load
+// into scalar ld.shared.f32, four instructions instead of one; volatile keeps it ordered with
+// the barriers around it.
+__host__ __device__ __forceinline__ float4 lds_f4(const float* p) {
+#if defined(__CUDA_ARCH__)
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+#else
+  return ld_as<float4>(p);
+#endif
+}
+
 __host__ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo, the low half
   uint32_t word;
@@ -275,6 +292,8 @@ struct alignas(16) PrepSmem {
   float beta[kChunk];
 };
 static_assert(sizeof(PrepSmem) <= 113 * 1024, "two prep blocks must fit on an SM");
+static_assert(offsetof(PrepSmem, A) % 16 == 0 && offsetof(PrepSmem, rk) % 16 == 0,
+              "the solve reads A and rk with 16-byte loads");
 
 // Channels [8 ch, 8 ch + 8) of a bf16 row (one 16-byte load) and of a G row (two), as floats.
 __host__ __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* row, int ch,
@@ -624,8 +643,13 @@ KDA_UNROLL
   if (col < kHeadDim) {
     const int gc = g_col(col);
 KDA_UNROLL
-    for (int i = 0; i < kChunk; ++i)
-      x[i] = __bfloat162float(sm.k[i][col]) * sm.rk[i] * exp2f(sm.G[i][gc]);
+    for (int i = 0; i < kChunk; i += 4) {
+      const float4 r4 = lds_f4(&sm.rk[i]);
+      const float rk4[4] = {r4.x, r4.y, r4.z, r4.w};
+KDA_UNROLL
+      for (int e = 0; e < 4; ++e)
+        x[i + e] = __bfloat162float(sm.k[i + e][col]) * rk4[e] * exp2f(sm.G[i + e][gc]);
+    }
   } else {
     const __nv_bfloat16* vsrc =
         p.v + begin * p.qkv_stride + static_cast<int64_t>(head) * kHeadDim + (col - kHeadDim);
@@ -638,7 +662,7 @@ KDA_UNROLL
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 KDA_UNROLL
     for (int j0 = 0; j0 < i; j0 += 4) {
-      const float4 a = ld_as<float4>(&sm.A[i][j0]);
+      const float4 a = lds_f4(&sm.A[i][j0]);  // one 16-byte broadcast per 4 entries
       acc[0] = fmaf(a.x, x[j0], acc[0]);
       if (j0 + 1 < i) acc[1] = fmaf(a.y, x[j0 + 1], acc[1]);
       if (j0 + 2 < i) acc[2] = fmaf(a.z, x[j0 + 2], acc[2]);
