@@ -11,11 +11,12 @@
 //   Qt_i = q_i * 2^G_i,  Kb'_j = beta_j k_j * 2^(G_C-1 - G_j),  gamma = 2^G_C-1
 //   U = Uv - W S0,  O = Qt S0 + M' U,  S_C = diag(gamma) S0 + Kb'^T U.
 // Only exponentials of non-positive numbers appear, so nothing overflows however strong the
-// decay. The pairwise factors of A and M' are formed directly only inside the 16 x 16
-// diagonal sub-blocks; below them the factor is split at the reference token r = 16I - 1
-// (the last token before row block I): 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j), both
-// factors <= 1 because j <= r < i, so each off-diagonal block is a plain bf16 product on
-// tensor cores of rows scaled once. tests/layer/test_kda_chunked_math.cpp checks this
+// decay. The pairwise factors of A and M' are formed directly only inside the 8 x 8
+// diagonal triangles; below them the factor is split at the reference token r = 16I - 1
+// (the last token before row block I; inside a 16 x 16 diagonal sub-block b, at its middle
+// token r = 16b + 7): 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j), both factors <= 1
+// because j <= r < i, so each such block is a plain bf16 product on tensor cores of rows
+// scaled once. tests/layer/test_kda_chunked_math.cpp checks this
 // algebra against the token-by-token recurrence in float64.
 //
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
