@@ -11,11 +11,12 @@
 //   Qt_i = q_i * 2^G_i,  Kb'_j = beta_j k_j * 2^(G_C-1 - G_j),  gamma = 2^G_C-1
 //   U = Uv - W S0,  O = Qt S0 + M' U,  S_C = diag(gamma) S0 + Kb'^T U.
 // Only exponentials of non-positive numbers appear, so nothing overflows however strong the
-// decay. The pairwise factors of A and M' are formed directly only inside the 16 x 16
-// diagonal sub-blocks; below them the factor is split at the reference token r = 16I - 1
-// (the last token before row block I): 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j), both
-// factors <= 1 because j <= r < i, so each off-diagonal block is a plain bf16 product on
-// tensor cores of rows scaled once. tests/layer/test_kda_chunked_math.cpp checks this
+// decay. The pairwise factors of A and M' are formed directly only inside the 8 x 8
+// diagonal triangles; below them the factor is split at the reference token r = 16I - 1
+// (the last token before row block I; inside a 16 x 16 diagonal sub-block b, at its middle
+// token r = 16b + 7): 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j), both factors <= 1
+// because j <= r < i, so each such block is a plain bf16 product on tensor cores of rows
+// scaled once. tests/layer/test_kda_chunked_math.cpp checks this
 // algebra against the token-by-token recurrence in float64.
 //
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
@@ -56,6 +57,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -186,6 +188,22 @@ __host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
 #endif
 }
 
+// A 16-byte shared-memory load that stays one ld.shared.v4.f32 on the device. For loads at
+// compile-time addresses (the fully unrolled solve of phase 1) nvcc splits a plain float4 load
+// into scalar ld.shared.f32, four instructions instead of one; volatile keeps it ordered with
+// the barriers around it.
+__host__ __device__ __forceinline__ float4 lds_f4(const float* p) {
+#if defined(__CUDA_ARCH__)
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
+#else
+  return ld_as<float4>(p);
+#endif
+}
+
 __host__ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo, the low half
   uint32_t word;
@@ -242,25 +260,93 @@ struct PrepTraits {
   static constexpr int kThreads = 256;
   static constexpr int kPitchBf16 = kHeadDim + 8;  // 272-byte rows: ldmatrix rows hit distinct banks
   static constexpr int kPitchG = kHeadDim + 4;     // 16-byte aligned fp32 rows
-  static constexpr int kTmpRows = 2 * kSub + kChunk - kSub;  // KE, QE, KF of the last row block
-  static constexpr int kDiagPairs = kSubBlocks * kSub * (kSub + 1) / 2;  // 544 (i >= j) pairs
+  static constexpr int kChunks8 = kHeadDim / 8;    // 8-channel chunks of a row (16 bf16 / 32 fp32 bytes)
+  static constexpr int kHalf = kSub / 2;           // the diagonal sub-blocks split at their middle token
+  // tmp holds either the quadrant operands of step 3b (per sub-block KE | QE | KF, 8 rows each)
+  // or step 4's KE | QE | KF of one row block.
+  static constexpr int kQuadRows = 3 * kHalf;
+  static constexpr int kTmpRows = std::max(2 * kSub + kChunk - kSub, kSubBlocks * kQuadRows);
+  // Direct pairs (i >= j) of the 8 x 8 diagonal triangles, 8 lanes (16 channels each) per pair.
+  static constexpr int kTriPairs = kHalf * (kHalf + 1) / 2;            // 36
+  static constexpr int kDiagItems = 2 * kSubBlocks * kTriPairs * 8;    // 2304
   static_assert(kThreads == 4 * kChunk, "the load step gives each token row 4 threads");
   static_assert(kThreads == 2 * kHeadDim, "the solve gives each of the 2 x 128 columns a thread");
   static_assert(kThreads / 32 >= kSubBlocks - 1, "one warp per off-diagonal block of a row block");
-  static_assert((2 * kDiagPairs) % 32 == 0, "diagonal items must fill whole warps");
+  static_assert(kThreads / 32 >= kSubBlocks, "one warp per diagonal quadrant");
+  static_assert(kDiagItems % kThreads == 0, "diagonal items must give every thread the same count");
+  static_assert(kSub * kChunks8 == kThreads, "step 4's KE / QE rows: one 8-channel chunk per thread");
 };
+
+// Column of channel c in a G row. Groups of 4 channels are kept together; the two groups of
+// an 8-channel chunk swap places when bit 2 of the chunk index is set (c ^ 4 when bit 5 of c
+// is set). Then 8 lanes reading the first (or the second) group of 8 consecutive chunks with
+// 16-byte loads hit 32 distinct banks, and so do 32 lanes reading 32 consecutive channels one
+// word each; unswizzled, the chunk reads would be 2-way bank conflicts (32-byte lane stride).
+__host__ __device__ __forceinline__ constexpr int g_col(int c) { return c ^ ((c >> 3) & 4); }
 
 struct alignas(16) PrepSmem {
   __nv_bfloat16 q[kChunk][PrepTraits::kPitchBf16];  // raw (un-normalised) bf16 inputs
   __nv_bfloat16 k[kChunk][PrepTraits::kPitchBf16];
-  float G[kChunk][PrepTraits::kPitchG];             // log2 decay, cumulative after step 2
+  float G[kChunk][PrepTraits::kPitchG];             // log2 decay (cumulative after step 2), at g_col(c)
   float A[kChunk][kChunk];                          // beta_j-weighted, strictly lower
-  __nv_bfloat16 tmp[PrepTraits::kTmpRows][PrepTraits::kPitchBf16];  // KE | QE | KF of one row block
+  __nv_bfloat16 tmp[PrepTraits::kTmpRows][PrepTraits::kPitchBf16];  // scaled bf16 mma operands
   float rq[kChunk];  // q scale: 128^-0.5 / ||q||
   float rk[kChunk];  // 1 / ||k||
   float beta[kChunk];
 };
 static_assert(sizeof(PrepSmem) <= 113 * 1024, "two prep blocks must fit on an SM");
+static_assert(offsetof(PrepSmem, A) % 16 == 0 && offsetof(PrepSmem, rk) % 16 == 0,
+              "the solve reads A and rk with 16-byte loads");
+
+// Channels [8 ch, 8 ch + 8) of a bf16 row (one 16-byte load) and of a G row (two), as floats.
+__host__ __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* row, int ch,
+                                                     float (&v)[8]) {
+  const uint4 w = ld_as<uint4>(row + 8 * ch);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+KDA_UNROLL
+  for (int e = 0; e < 4; ++e) {
+    v[2 * e] = bf16_low(words[e]);
+    v[2 * e + 1] = bf16_high(words[e]);
+  }
+}
+__host__ __device__ __forceinline__ void load_g8(const float* grow, int ch, float (&v)[8]) {
+  const float4 lo = ld_as<float4>(grow + g_col(8 * ch));
+  const float4 hi = ld_as<float4>(grow + g_col(8 * ch + 4));
+  v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w;
+  v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+}
+__host__ __device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
+  return make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
+                    pack_bf16(v[6], v[7]));
+}
+
+// The scaled bf16 operand rows of a split at reference token r, channels [8 ch, 8 ch + 8):
+// for a row i > r, KE_i = k_i / ||k_i|| 2^(G_i - G_r) to ke and QE_i (q_i's scale) to qe; for
+// a row j <= r, KF_j = k_j / ||k_j|| 2^(G_r - G_j) to ke (qe unused). Both exponents are <= 0.
+__host__ __device__ __forceinline__ void scaled_rows(const PrepSmem& sm, int row, int r, int ch,
+                                                     bool below, __nv_bfloat16* ke,
+                                                     __nv_bfloat16* qe) {
+  float gi[8], gr[8], kv[8];
+  load_g8(sm.G[row], ch, gi);
+  load_g8(sm.G[r], ch, gr);
+  load_bf16x8(sm.k[row], ch, kv);
+  const float kr = sm.rk[row];
+  float f[8];
+KDA_UNROLL
+  for (int e = 0; e < 8; ++e) {
+    f[e] = exp2f(below ? gi[e] - gr[e] : gr[e] - gi[e]);
+    kv[e] = kv[e] * kr * f[e];  // (k / ||k||) 2^(..), as before the vectorisation
+  }
+  st_as<uint4>(ke + 8 * ch, pack_bf16x8(kv));
+  if (below) {
+    float qv[8];
+    load_bf16x8(sm.q[row], ch, qv);
+    const float qr = sm.rq[row];
+KDA_UNROLL
+    for (int e = 0; e < 8; ++e) qv[e] = qv[e] * qr * f[e];
+    st_as<uint4>(qe + 8 * ch, pack_bf16x8(qv));
+  }
+}
 
 // The off-diagonal block (row block I, column block J < I) of A and M' on tensor cores, by one
 // warp: KE (rows of I scaled by 2^(G_i - G_r)), QE likewise and KF (rows j < 16I scaled by
@@ -307,6 +393,37 @@ KDA_UNROLL
   }
 }
 
+// The lower-left 8 x 8 quadrant of diagonal sub-block b (rows i = 16b + 8.., columns
+// j = 16b..16b + 7, reference r = 16b + 7) of A and M' on tensor cores, by one warp: one m16n8
+// accumulator of [KE; QE] (16 rows) against KF (8 rows), all in sm.tmp rows 24b...
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void diag_quadrant(Ops& ops, PrepSmem& sm,
+                                                       __nv_bfloat16* mp, int b, int lane) {
+  constexpr int R = PrepTraits::kQuadRows, H = PrepTraits::kHalf;
+  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  // A operand: rows 0..7 KE, 8..15 QE; matrix m covers rows 8 (m & 1).., columns 8 (m >> 1)..
+  const uint32_t a_base = ops.smem_addr(&sm.tmp[R * b + r8 + 8 * (m & 1)][8 * (m >> 1)]);
+  // B operand (KF stored [n = j][k = c]): matrix m covers columns 8 m.., so r[0], r[1] are b0,
+  // b1 of k-step 2 kp and r[2], r[3] those of k-step 2 kp + 1.
+  const uint32_t b_base = ops.smem_addr(&sm.tmp[R * b + 2 * H + r8][8 * m]);
+  float acc[4] = {};
+KDA_UNROLL
+  for (int kp = 0; kp < kHeadDim / 32; ++kp) {
+    uint32_t a0[4], a1[4], bf[4];
+    ops.ldsm_x4(bf, b_base + kp * 64);
+    ops.ldsm_x4(a0, a_base + kp * 64);
+    ops.ldsm_x4(a1, a_base + kp * 64 + 32);
+    ops.mma(acc, a0, bf[0], bf[1]);
+    ops.mma(acc, a1, bf[2], bf[3]);
+  }
+  const int i = kSub * b + H + g, j = kSub * b + 2 * t;
+  const float b0 = sm.beta[j], b1 = sm.beta[j + 1];
+  sm.A[i][j] = acc[0] * b0;
+  sm.A[i][j + 1] = acc[1] * b1;
+  st_as<uint32_t>(mp + i * kChunk + j, pack_bf16(acc[2] * b0, acc[3] * b1));
+}
+
 // One (chunk slot, head) of phase 1, as thread `tid` of 256. Every exit is uniform over the
 // block (it depends on the slot and on metadata all threads read alike), so all threads
 // reach every barrier.
@@ -314,6 +431,7 @@ KDA_OPS_BODY
 template <bool kLowerBound, class Ops>
 __host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParams& p,
                                                     int64_t slot, int head, int tid) {
+  using T = PrepTraits;
   const int lane = tid & 31, warp = tid >> 5;
   const int64_t seq = ops.locate_sequence(p, slot, lane);
   if (seq < 0) return;
@@ -333,11 +451,12 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParam
   float* rec_uvt = reinterpret_cast<float*>(rec + Record::kUvT);
   float* rec_gamma = reinterpret_cast<float*>(rec + Record::kGamma);
 
-  // Step 1: raw q, k and the log2 decay of token row `row`, channels [32 part, 32 part + 32);
-  // rows past the chunk's end are zeros (k = q = v = 0, g = 0, beta = 0), which makes every
-  // record entry of theirs zero and leaves G flat, so gamma is the decay up to the last token.
+  // Step 1: raw q, k and the log2 decay of token row `row`, channels 4 part + 16 jj + (0..3)
+  // (the 4 threads of a row read 32 contiguous bytes per load); rows past the chunk's end are
+  // zeros (k = q = v = 0, g = 0, beta = 0), which makes every record entry of theirs zero and
+  // leaves G flat, so gamma is the decay up to the last token.
   {
-    const int row = tid >> 2, part = tid & 3, c0 = 32 * part;
+    const int row = tid >> 2, part = tid & 3, c0 = 4 * part;
     float ssq = 0.0f, ssk = 0.0f;
     if (row < len) {
       const int64_t tok = begin + row;
@@ -347,7 +466,7 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParam
       const __nv_bfloat16* gsrc = p.g1 + tok * p.g1_stride + col;
       const float a_exp = expf(p.a_log[head]);
 KDA_UNROLL
-      for (int j = 0; j < 32; j += 4) {
+      for (int j = 0; j < kHeadDim; j += 16) {
         // 8-byte loads: supported() guarantees 8-byte aligned bases and strides of 4 elements.
         const uint2 qw = ld_as<uint2>(qsrc + j);
         const uint2 kw = ld_as<uint2>(ksrc + j);
@@ -367,14 +486,14 @@ KDA_UNROLL
                                          : -a_exp * softplus_f(x);
           gl[e] = fmaxf(gate, kMinLogDecay) * kLog2e;
         }
-        st_as<float4>(&sm.G[row][c0 + j], make_float4(gl[0], gl[1], gl[2], gl[3]));
+        st_as<float4>(&sm.G[row][g_col(c0 + j)], make_float4(gl[0], gl[1], gl[2], gl[3]));
       }
     } else {
 KDA_UNROLL
-      for (int j = 0; j < 32; j += 4) {
+      for (int j = 0; j < kHeadDim; j += 16) {
         st_as<uint2>(&sm.q[row][c0 + j], make_uint2(0u, 0u));
         st_as<uint2>(&sm.k[row][c0 + j], make_uint2(0u, 0u));
-        st_as<float4>(&sm.G[row][c0 + j], make_float4(0.f, 0.f, 0.f, 0.f));
+        st_as<float4>(&sm.G[row][g_col(c0 + j)], make_float4(0.f, 0.f, 0.f, 0.f));
       }
     }
     // The 4 threads of a row are adjacent lanes of one warp.
@@ -391,9 +510,9 @@ KDA_UNROLL
     }
     // A's upper part is read (and ignored) by the solve's 4-wide loads; M' is stored whole
     // with zeros above the diagonal, which phase 2 relies on inside the diagonal tiles.
-    for (int e = tid; e < kChunk * kChunk / 4; e += PrepTraits::kThreads)
+    for (int e = tid; e < kChunk * kChunk / 4; e += T::kThreads)
       st_as<float4>(&sm.A[0][0] + 4 * e, make_float4(0.f, 0.f, 0.f, 0.f));
-    for (int e = tid; e < kChunk * kChunk / 8; e += PrepTraits::kThreads)
+    for (int e = tid; e < kChunk * kChunk / 8; e += T::kThreads)
       st_as<uint4>(rec_mp + 8 * e, make_uint4(0u, 0u, 0u, 0u));
   }
   ops.sync();
@@ -403,55 +522,99 @@ KDA_UNROLL
   // difference G_i - G_j (j <= i) below is <= 0.
   if (tid < kHeadDim) {
     float run = 0.0f;
+    const int gc = g_col(tid);
 KDA_UNROLL
     for (int i = 0; i < kChunk; ++i) {
-      run += sm.G[i][tid];
-      sm.G[i][tid] = run;
+      run += sm.G[i][gc];
+      sm.G[i][gc] = run;
     }
   }
   // Also orders step 1's zero fill of M' before the entries written below.
   ops.sync();
 
-  // Step 3a: Qt, Kb' and gamma, two channels per item.
-  for (int e = tid; e < kChunk * kHeadDim / 2; e += PrepTraits::kThreads) {
-    const int i = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
-    const float q0 = __bfloat162float(sm.q[i][c]) * sm.rq[i];
-    const float q1 = __bfloat162float(sm.q[i][c + 1]) * sm.rq[i];
-    const float kb = sm.beta[i] * sm.rk[i];
-    const float k0 = __bfloat162float(sm.k[i][c]) * kb;
-    const float k1 = __bfloat162float(sm.k[i][c + 1]) * kb;
-    const float g0 = sm.G[i][c], g1 = sm.G[i][c + 1];
-    const float gl0 = sm.G[kChunk - 1][c], gl1 = sm.G[kChunk - 1][c + 1];
-    st_as<uint32_t>(rec_qt + i * kHeadDim + c, pack_bf16(q0 * exp2f(g0), q1 * exp2f(g1)));
-    float* kb_at = rec_kb + (i >> 1) * Record::kKbPairFloats + 2 * c + (i & 1);
-    kb_at[0] = tf32_round(k0 * exp2f(gl0 - g0));
-    kb_at[2] = tf32_round(k1 * exp2f(gl1 - g1));
+  // Step 3a: Qt, Kb' and gamma. Item = (token pair 2 tp, 2 tp + 1; 8-channel chunk): the 16
+  // Kb' floats of a chunk and token pair are contiguous in the record (four 16-byte stores).
+  for (int e = tid; e < kChunk / 2 * T::kChunks8; e += T::kThreads) {
+    const int tp = e / T::kChunks8, ch = e % T::kChunks8;
+    float gl[8];
+    load_g8(sm.G[kChunk - 1], ch, gl);
+    float kb[2][8];
+KDA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * tp + h;
+      float qv[8], kv[8], gv[8];
+      load_bf16x8(sm.q[i], ch, qv);
+      load_bf16x8(sm.k[i], ch, kv);
+      load_g8(sm.G[i], ch, gv);
+      const float qs = sm.rq[i], ks = sm.beta[i] * sm.rk[i];
+KDA_UNROLL
+      for (int c = 0; c < 8; ++c) {
+        qv[c] = qv[c] * qs * exp2f(gv[c]);
+        kb[h][c] = tf32_round(kv[c] * ks * exp2f(gl[c] - gv[c]));
+      }
+      st_as<uint4>(rec_qt + i * kHeadDim + 8 * ch, pack_bf16x8(qv));
+    }
+    float* kb_at = rec_kb + tp * Record::kKbPairFloats + 16 * ch;
+KDA_UNROLL
+    for (int c = 0; c < 8; c += 2)
+      st_as<float4>(kb_at + 2 * c, make_float4(kb[0][c], kb[1][c], kb[0][c + 1], kb[1][c + 1]));
   }
-  if (tid < kHeadDim) rec_gamma[tid] = exp2f(sm.G[kChunk - 1][tid]);
+  if (tid < kHeadDim) rec_gamma[tid] = exp2f(sm.G[kChunk - 1][g_col(tid)]);
 
-  // Step 3b: the diagonal 16 x 16 sub-blocks of A and M' with the pairwise factors formed
-  // directly, in fp32. Item = (pair i >= j inside a sub-block, channel parity); the two
-  // parities of a pair are adjacent lanes and are summed with one shuffle. The trip count
-  // is a multiple of 32 in every warp (1088 = 4 x 256 + 64), so the shuffle sees full warps.
-  for (int item = tid; item < 2 * PrepTraits::kDiagPairs; item += PrepTraits::kThreads) {
-    const int pair = item >> 1, parity = item & 1;
-    const int blk = pair / (kSub * (kSub + 1) / 2);
-    const int l = pair % (kSub * (kSub + 1) / 2);
+  // Step 3b: the 16 x 16 diagonal sub-blocks of A and M', each split at its middle token as
+  // well (reference r = 16b + 7): the lower-left 8 x 8 quadrant is one m16n8 product of
+  // [KE; QE] against KF on tensor cores (as step 4 below), the two 8 x 8 triangles (i >= j) have
+  // their pairwise factors formed directly, in fp32.
+  // Quadrant operands: item = (sub-block b, row slot s, chunk); s < 8: KE / QE of row
+  // 16b + 8 + s, s >= 8: KF of row 16b + s - 8 (a warp's 32 items share one kind).
+  for (int e = tid; e < kSubBlocks * 2 * T::kHalf * T::kChunks8; e += T::kThreads) {
+    const int ch = e % T::kChunks8, s = (e / T::kChunks8) % (2 * T::kHalf);
+    const int b = e / (2 * T::kHalf * T::kChunks8);
+    const int r = kSub * b + T::kHalf - 1;
+    const bool below = s < T::kHalf;
+    __nv_bfloat16(*quad)[T::kPitchBf16] = sm.tmp + T::kQuadRows * b;
+    if (below)
+      scaled_rows(sm, r + 1 + s, r, ch, true, quad[s], quad[T::kHalf + s]);
+    else
+      scaled_rows(sm, r + 1 - 2 * T::kHalf + s, r, ch, false, quad[T::kHalf + s], nullptr);
+  }
+  ops.sync();
+  if (warp < kSubBlocks) diag_quadrant(ops, sm, rec_mp, warp, lane);
+  // Triangles: item = (pair, channel group cg), 8 adjacent lanes per pair; lane cg takes the
+  // chunks cg and cg + 8 (so the 8 lanes of a pair read 128 contiguous bytes per load), and
+  // the 8 partial sums are added with three shuffles. 2304 items: 9 per thread, whole warps.
+KDA_UNROLL_1
+  for (int item = tid; item < T::kDiagItems; item += T::kThreads) {
+    const int pair = item >> 3, cg = item & 7;
+    const int tri = pair / T::kTriPairs, l = pair % T::kTriPairs;
     int il = 0;
     while ((il + 1) * (il + 2) / 2 <= l) ++il;
     const int jl = l - il * (il + 1) / 2;
-    const int i = kSub * blk + il, j = kSub * blk + jl;
+    const int i = T::kHalf * tri + il, j = T::kHalf * tri + jl;
     float a = 0.0f, m = 0.0f;
-KDA_UNROLL_8
-    for (int cc = 0; cc < kHeadDim / 2; ++cc) {
-      const int c = 2 * cc + parity;
-      const float kj = __bfloat162float(sm.k[j][c]) * exp2f(sm.G[i][c] - sm.G[j][c]);
-      a = fmaf(__bfloat162float(sm.k[i][c]), kj, a);
-      m = fmaf(__bfloat162float(sm.q[i][c]), kj, m);
+KDA_UNROLL
+    for (int u = 0; u < 2; ++u) {
+      const int ch = cg + 8 * u;
+      float ki[8], qi[8], kj[8], gi[8], gj[8];
+      load_bf16x8(sm.k[i], ch, ki);
+      load_bf16x8(sm.q[i], ch, qi);
+      load_bf16x8(sm.k[j], ch, kj);
+      load_g8(sm.G[i], ch, gi);
+      load_g8(sm.G[j], ch, gj);
+KDA_UNROLL
+      for (int c = 0; c < 8; ++c) {
+        const float f = kj[c] * exp2f(gi[c] - gj[c]);
+        a = fmaf(ki[c], f, a);
+        m = fmaf(qi[c], f, m);
+      }
     }
     a += ops.shfl_xor(a, 1);
     m += ops.shfl_xor(m, 1);
-    if (parity == 0) {
+    a += ops.shfl_xor(a, 2);
+    m += ops.shfl_xor(m, 2);
+    a += ops.shfl_xor(a, 4);
+    m += ops.shfl_xor(m, 4);
+    if (cg == 0) {
       const float bj = sm.beta[j] * sm.rk[j];
       if (j < i) sm.A[i][j] = a * sm.rk[i] * bj;
       rec_mp[i * kChunk + j] = __float2bfloat16_rn(m * sm.rq[i] * bj);
@@ -459,28 +622,17 @@ KDA_UNROLL_8
   }
 
   // Step 4: the off-diagonal blocks, one row block I at a time (reference r = 16I - 1):
-  // tmp rows [0, 16) = KE, [16, 32) = QE, [32, 32 + 16I) = KF.
+  // tmp rows [0, 16) = KE, [16, 32) = QE, [32, 32 + 16I) = KF; one 8-channel chunk per item.
   for (int I = 1; I < kSubBlocks; ++I) {
-    ops.sync();  // the previous row block's products are done reading tmp
+    ops.sync();  // the previous products (and step 3b's quadrants) are done reading tmp
     const int r = kSub * I - 1;
-    for (int e = tid; e < kSub * kHeadDim / 2; e += PrepTraits::kThreads) {
-      const int il = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
-      const int i = kSub * I + il;
-      const float e0 = exp2f(sm.G[i][c] - sm.G[r][c]);
-      const float e1 = exp2f(sm.G[i][c + 1] - sm.G[r][c + 1]);
-      const float kr = sm.rk[i], qr = sm.rq[i];
-      const float k0 = __bfloat162float(sm.k[i][c]) * kr, k1 = __bfloat162float(sm.k[i][c + 1]) * kr;
-      const float q0 = __bfloat162float(sm.q[i][c]) * qr, q1 = __bfloat162float(sm.q[i][c + 1]) * qr;
-      st_as<uint32_t>(&sm.tmp[il][c], pack_bf16(k0 * e0, k1 * e1));
-      st_as<uint32_t>(&sm.tmp[kSub + il][c], pack_bf16(q0 * e0, q1 * e1));
+    {
+      const int il = tid / T::kChunks8, ch = tid % T::kChunks8;
+      scaled_rows(sm, kSub * I + il, r, ch, true, sm.tmp[il], sm.tmp[kSub + il]);
     }
-    for (int e = tid; e < kSub * I * kHeadDim / 2; e += PrepTraits::kThreads) {
-      const int j = e / (kHeadDim / 2), c = 2 * (e % (kHeadDim / 2));
-      const float kr = sm.rk[j];
-      const float f0 = exp2f(sm.G[r][c] - sm.G[j][c]);
-      const float f1 = exp2f(sm.G[r][c + 1] - sm.G[j][c + 1]);
-      const float k0 = __bfloat162float(sm.k[j][c]) * kr, k1 = __bfloat162float(sm.k[j][c + 1]) * kr;
-      st_as<uint32_t>(&sm.tmp[2 * kSub + j][c], pack_bf16(k0 * f0, k1 * f1));
+    for (int e = tid; e < kSub * I * T::kChunks8; e += T::kThreads) {
+      const int j = e / T::kChunks8, ch = e % T::kChunks8;
+      scaled_rows(sm, j, r, ch, false, sm.tmp[2 * kSub + j], nullptr);
     }
     ops.sync();
     if (warp < I) offdiag_block(ops, sm, rec_mp, I, warp, lane);
@@ -492,9 +644,15 @@ KDA_UNROLL_8
   float x[kChunk];
   const int col = tid;
   if (col < kHeadDim) {
+    const int gc = g_col(col);
 KDA_UNROLL
-    for (int i = 0; i < kChunk; ++i)
-      x[i] = __bfloat162float(sm.k[i][col]) * sm.rk[i] * exp2f(sm.G[i][col]);
+    for (int i = 0; i < kChunk; i += 4) {
+      const float4 r4 = lds_f4(&sm.rk[i]);
+      const float rk4[4] = {r4.x, r4.y, r4.z, r4.w};
+KDA_UNROLL
+      for (int e = 0; e < 4; ++e)
+        x[i + e] = __bfloat162float(sm.k[i + e][col]) * rk4[e] * exp2f(sm.G[i + e][gc]);
+    }
   } else {
     const __nv_bfloat16* vsrc =
         p.v + begin * p.qkv_stride + static_cast<int64_t>(head) * kHeadDim + (col - kHeadDim);
@@ -507,7 +665,7 @@ KDA_UNROLL
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 KDA_UNROLL
     for (int j0 = 0; j0 < i; j0 += 4) {
-      const float4 a = ld_as<float4>(&sm.A[i][j0]);
+      const float4 a = lds_f4(&sm.A[i][j0]);  // one 16-byte broadcast per 4 entries
       acc[0] = fmaf(a.x, x[j0], acc[0]);
       if (j0 + 1 < i) acc[1] = fmaf(a.y, x[j0 + 1], acc[1]);
       if (j0 + 2 < i) acc[2] = fmaf(a.z, x[j0 + 2], acc[2]);

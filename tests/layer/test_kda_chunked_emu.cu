@@ -446,7 +446,8 @@ struct HostBatchData {
 // pad_tokens extra rows past the batch that nothing may write.
 HostBatchData make_batch(int64_t heads, const std::vector<int>& lens, const std::vector<int>& lines,
                          const std::vector<int>& init, int64_t pad_tokens,
-                         std::optional<double> lower_bound, uint32_t seed) {
+                         std::optional<double> lower_bound, uint32_t seed,
+                         bool correlated_keys = false) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::uniform_real_distribution<float> ud(0.0f, 1.0f);
@@ -472,6 +473,11 @@ HostBatchData make_batch(int64_t heads, const std::vector<int>& lens, const std:
   d.b.resize(d.tokens * d.b_stride);
   for (auto* plane : {&d.q, &d.k, &d.v})
     for (auto& x : *plane) x = bf(nd(rng));
+  // Optionally q, k ~ U(-0.3, 1.2) as in test_kda_chunked_gpu: positive-leaning, so strongly
+  // correlated keys (A's entries near beta, the largest pairwise products).
+  if (correlated_keys)
+    for (auto* plane : {&d.q, &d.k})
+      for (auto& x : *plane) x = bf(-0.3f + 1.5f * ud(rng));
   for (auto& x : d.g1) x = bf(nd(rng));
   for (auto& x : d.b) x = bf(nd(rng));
   d.o.assign(d.tokens * d.o_stride, 0xFFFFu);
@@ -694,4 +700,17 @@ TEST_CASE("emulated copies landing early or late give bit-identical results") {
     CHECK(early.o == again.o);
     CHECK(std::memcmp(early.pool.data(), again.pool.data(), early.pool.size() * sizeof(float)) == 0);
   }
+}
+
+TEST_CASE("the emulated chunked kernels match the float64 reference with correlated keys") {
+  // Positive-leaning q and k make the diagonal sub-blocks' entries (formed partly on CUDA
+  // cores in fp32, partly as bf16 products) the largest of A and M'.
+  const std::vector<int> lens = {64, 130, 17};
+  const std::vector<int> lines = {2, 1, 3};
+  const std::vector<int> init = {1, 0, 1};
+  HostBatchData before = make_batch(1, lens, lines, init, 4, std::nullopt, 23u, /*correlated_keys=*/true);
+  const Reference ref = run_reference(before);
+  HostBatchData after = before;
+  emulate_kda_chunked(after.args(), /*late_copies=*/false, kda::KdaStateKernel::Unsplit);
+  check_against_reference(before, after, ref);
 }
