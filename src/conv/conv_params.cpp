@@ -87,14 +87,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
                            warps * staging_bytes_per_warp(32 * vec),
                            " bytes of shared memory, more than ", kMaxStagingBytes);
-  if (tuning.capped_registers) {
-    if (!capped_registers_fit(args.x_dtype, vec))
-      return detail::str_cat("capped registers are compiled for bf16 and fp16 with vec 1, 2 or 4, not ",
-                             dtype_name(args.x_dtype), " with vec ", vec);
-    if (warps * 32 > kCappedThreadsPerCta)
-      return detail::str_cat("capped registers allow at most ", kCappedThreadsPerCta / 32,
-                             " warps per CTA, not ", warps);
-  }
   if (args.num_tokens > 0 && args.num_seqs > 0) return check_grid(make_params(args, tuning));
   return {};
 }
@@ -170,7 +162,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.num_ctas = p.programs_per_col_block * p.col_groups_per_plane * p.planes;
   p.columns_fastest = resolved_order(tuning.order) == CtaOrder::kColumnsFastest;
-  p.capped_registers = tuning.capped_registers;
   return p;
 }
 

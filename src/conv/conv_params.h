@@ -21,17 +21,7 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one program
   CtaOrder order = CtaOrder::kDefault;
-  // Registers capped at what 6 CTAs of 4 warps per SM allow (kCappedCtasPerSm), for the
-  // instances where that fits (capped_registers_fit); at most kCappedThreadsPerCta threads.
-  bool capped_registers = false;
 };
-
-constexpr int kCappedThreadsPerCta = 128;
-constexpr int kCappedCtasPerSm = 6;
-// The instances compiled with capped registers: 16-bit types, 1, 2 or 4 channels per lane.
-constexpr bool capped_registers_fit(DType t, int vec) {
-  return (t == DType::BF16 || t == DType::FP16) && vec <= 4;
-}
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
 struct PackedConvParams {
@@ -83,7 +73,6 @@ struct PackedConvParams {
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // programs_per_col_block * col_groups_per_plane * planes
   bool columns_fastest = false;
-  bool capped_registers = false;
 };
 
 // Grid extents beyond which the launch is refused (CUDA's limits on y and z; x is bounded by

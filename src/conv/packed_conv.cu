@@ -118,7 +118,8 @@ struct DeviceOps {
 // (conv_params.h). Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
 // memory, so the other warps spend no instructions on it.
 template <typename Traits, bool kSilu, bool kHasBias>
-__device__ __forceinline__ void packed_conv_cta(const PackedConvParams& p) {
+__global__ void __launch_bounds__(kMaxThreadsPerCta)
+packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
   __shared__ int64_t located[6];
   const int warp = static_cast<int>(threadIdx.x / 32);
@@ -166,21 +167,6 @@ __device__ __forceinline__ void packed_conv_cta(const PackedConvParams& p) {
   packed_conv_program<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, ops);
 }
 
-template <typename Traits, bool kSilu, bool kHasBias>
-__global__ void __launch_bounds__(kMaxThreadsPerCta) packed_conv_kernel(const PackedConvParams p) {
-  packed_conv_cta<Traits, kSilu, kHasBias>(p);
-}
-
-// The same CTA with registers capped so that 6 CTAs of 4 warps fit an SM (<= 80 registers per
-// thread instead of the compiler's ~108 for bf16 x 4 channels): more warps in flight to hide
-// the program's fixed latency, against a tighter register queue. Instantiated for the 16-bit
-// types with 1, 2 or 4 channels per lane (conv_params.cpp: capped_registers_fit).
-template <typename Traits, bool kSilu, bool kHasBias>
-__global__ void __launch_bounds__(kCappedThreadsPerCta, kCappedCtasPerSm)
-packed_conv_kernel_capped(const PackedConvParams p) {
-  packed_conv_cta<Traits, kSilu, kHasBias>(p);
-}
-
 template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
@@ -193,25 +179,15 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  using Kernel = void (*)(PackedConvParams);
-  Kernel kernel = nullptr;
-  if constexpr (capped_registers_fit(kDType, kVec)) {
-    if (p.capped_registers) {
-      kernel = p.silu ? (has_bias ? packed_conv_kernel_capped<Traits, true, true>
-                                  : packed_conv_kernel_capped<Traits, true, false>)
-                      : (has_bias ? packed_conv_kernel_capped<Traits, false, true>
-                                  : packed_conv_kernel_capped<Traits, false, false>);
-    }
+  if (p.silu && has_bias) {
+    packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (p.silu) {
+    packed_conv_kernel<Traits, true, false><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (has_bias) {
+    packed_conv_kernel<Traits, false, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else {
+    packed_conv_kernel<Traits, false, false><<<grid, block, staging_bytes, stream>>>(p);
   }
-  if (kernel == nullptr) {
-    // check_tuning() refused capped registers where no capped instance exists.
-    KDA_CHECK(!p.capped_registers, "kda::conv::launch_packed_conv", "no capped-register instance");
-    kernel = p.silu ? (has_bias ? packed_conv_kernel<Traits, true, true>
-                                : packed_conv_kernel<Traits, true, false>)
-                    : (has_bias ? packed_conv_kernel<Traits, false, true>
-                                : packed_conv_kernel<Traits, false, false>);
-  }
-  kernel<<<grid, block, staging_bytes, stream>>>(p);
 }
 
 template <DType kDType>

@@ -439,21 +439,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
     CHECK(kda::conv::check_tuning(a, t) ==
           "order 7 is not one of 1 (chunks fastest), 2 (columns fastest) or 0 (the default)");
   }
-  SUBCASE("capped registers: 16-bit types with vec <= 4 and <= 4 warps only") {
-    ConvTuning t;
-    t.capped_registers = true;
-    CHECK(kda::conv::check_tuning(a, t).empty());
-    t.vec = 8;
-    CHECK(kda::conv::check_tuning(a, t) ==
-          "capped registers are compiled for bf16 and fp16 with vec 1, 2 or 4, not bf16 with vec 8");
-    t.vec = 4;
-    t.warps_per_cta = 8;
-    CHECK(kda::conv::check_tuning(a, t) == "capped registers allow at most 4 warps per CTA, not 8");
-    a.x_dtype = kda::DType::FP32;
-    t.warps_per_cta = 0;
-    t.vec = 0;
-    CHECK(kda::conv::check_tuning(a, t).find("not fp32 with vec") != std::string::npos);
-  }
   SUBCASE("too much shared memory") {
     CHECK(kda::conv::check_tuning(a, {8, 0, 8}) ==
           "warps_per_cta 8 with vec 8 needs 59136 bytes of shared memory, more than 49152");

@@ -829,7 +829,6 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     const std::vector<int> warps = quick() ? std::vector<int>{1, 4} : std::vector<int>{1, 2, 4, 8};
     using kda::conv::CtaOrder;
     for (CtaOrder order : {CtaOrder::kChunksFastest, CtaOrder::kColumnsFastest})
-    for (bool capped : {false, true})
     for (int vec : {1, 2, 4, 8})
       for (int chunk : chunks)
         for (int w : warps) {
@@ -838,13 +837,11 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
           t.chunk_len = chunk;
           t.warps_per_cta = w;
           t.order = order;
-          t.capped_registers = capped;
           if (!kda::conv::check_tuning(pa, t).empty()) {
             ++invalid;
             continue;
           }
           CAPTURE(static_cast<int>(order));
-          CAPTURE(capped);
           CAPTURE(vec);
           CAPTURE(chunk);
           CAPTURE(w);
