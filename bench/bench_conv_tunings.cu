@@ -37,10 +37,6 @@ void cuda_ok(cudaError_t e, const char* what) {
 }
 #define BENCH_CUDA(expr) cuda_ok((expr), #expr)
 
-const char* order_name(kda::conv::CtaOrder o) {
-  return o == kda::conv::CtaOrder::kColumnsFastest ? "columns" : "chunks";
-}
-
 struct Shape {
   int64_t tokens, seqs;
 };
@@ -198,15 +194,13 @@ int main(int argc, char** argv) {
                                             : std::vector<Shape>{{2048, 1},   {4096, 64},
                                                                  {8192, 1},   {16384, 1},
                                                                  {16384, 256}, {65536, 4}};
-    using kda::conv::CtaOrder;
     std::vector<kda::conv::ConvTuning> tunings;
-    for (CtaOrder order : {CtaOrder::kChunksFastest, CtaOrder::kColumnsFastest})
-      for (int vec : {4, 8, 2})
-        for (int chunk : {16, 32, 64})
-          for (int warps : {2, 4, 8}) tunings.push_back({vec, chunk, warps, order});
+    for (int vec : {4, 8, 2})
+      for (int chunk : {16, 32, 64})
+        for (int warps : {2, 4, 8}) tunings.push_back({vec, chunk, warps});
     std::mt19937_64 rng(42);
     bool mismatch = false;
-    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/order) us | x copy | best us | x copy | best tuning |\n");
+    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps) us | x copy | best us | x copy | best tuning |\n");
     std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
     std::string details;
     for (const Shape& shape : shapes) {
@@ -237,17 +231,16 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d %s: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, order_name(t.order), us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%s) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d %s |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
-                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta,
-                  def.columns_fastest ? "columns" : "chunks", def_us / copy, best, best / copy,
-                  best_t.vec, best_t.chunk_len, best_t.warps_per_cta, order_name(best_t.order));
+                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def_us / copy, best,
+                  best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

@@ -52,10 +52,6 @@ int default_chunk_len(int64_t num_tokens, int64_t dim) {
   return 16;
 }
 
-CtaOrder resolved_order(CtaOrder order) {
-  return order != CtaOrder::kDefault ? order : CtaOrder::kChunksFastest;
-}
-
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
   if (tuning.vec != 0) {
     if (tuning.vec != 8 && tuning.vec != 4 && tuning.vec != 2 && tuning.vec != 1)
@@ -77,10 +73,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (w != 1 && w != 2 && w != 4 && w != 8)
       return detail::str_cat("warps_per_cta ", w, " is not one of 1, 2, 4, 8 (or 0 for the default)");
   }
-  if (tuning.order != CtaOrder::kDefault && tuning.order != CtaOrder::kChunksFastest &&
-      tuning.order != CtaOrder::kColumnsFastest)
-    return detail::str_cat("order ", static_cast<int>(tuning.order),
-                           " is not one of 1 (chunks fastest), 2 (columns fastest) or 0 (the default)");
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   const int warps = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
   if (warps * staging_bytes_per_warp(32 * vec) > kMaxStagingBytes)
@@ -92,13 +84,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
 }
 
 std::string check_grid(const PackedConvParams& p) {
-  if (p.columns_fastest) {
-    if (p.num_ctas > kMaxGridX)
-      return detail::str_cat("the launch needs ", p.num_ctas,
-                             " CTAs ((num_tokens / ", 1 << p.chunk_shift,
-                             " + num_seqs) x column groups x planes), more than the ", kMaxGridX, " a grid's x extent can hold");
-    return {};
-  }
   if (p.programs_per_col_block > kMaxGridX)
     return detail::str_cat("the launch needs ", p.programs_per_col_block,
                            " programs per column block (num_tokens / ", 1 << p.chunk_shift,
@@ -161,7 +146,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   }
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.num_ctas = p.programs_per_col_block * p.col_groups_per_plane * p.planes;
-  p.columns_fastest = resolved_order(tuning.order) == CtaOrder::kColumnsFastest;
   return p;
 }
 

@@ -9,18 +9,11 @@
 
 namespace kda::conv {
 
-// The order in which CTAs are numbered (and so, roughly, scheduled). kChunksFastest: neighbouring
-// CTAs run neighbouring token chunks of one column group, so the CTAs in flight read a narrow
-// column band of many rows. kColumnsFastest: neighbouring CTAs run the column groups and planes
-// of one chunk, so the CTAs in flight read whole rows, as a copy does.
-enum class CtaOrder { kDefault = 0, kChunksFastest, kColumnsFastest };
-
-// Choices a benchmark may force; 0 / kDefault means the launcher's default.
+// Choices a benchmark may force; 0 means the launcher's default.
 struct ConvTuning {
   int vec = 0;            // channels per lane: 8, 4, 2 or 1 (tile = 32 * vec channels)
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one program
-  CtaOrder order = CtaOrder::kDefault;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -61,18 +54,15 @@ struct PackedConvParams {
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  // A CTA runs one chunk program of column blocks g * warps_per_cta + w (w < warps_per_cta,
-  // < cols_per_plane) of one plane. Every warp of a CTA has the same (sequence, chunk), so one
-  // warp searches for it.
-  //   chunks fastest: grid (programs_per_col_block, col_groups_per_plane, planes), CTA (x, y, z)
-  //     runs chunk program x, column group y, plane z: no index is divided.
-  //   columns fastest: a 1D grid of num_ctas CTAs; CTA b runs chunk program
-  //     b / (col_groups_per_plane * planes), and the remainder r runs plane
-  //     r / col_groups_per_plane, column group r % col_groups_per_plane (32-bit divisions, once
-  //     per thread). num_ctas <= 2^31 - 1.
+  // The grid is (programs_per_col_block, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
+  // program x of column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
+  // plane z. Every warp of a CTA has the same (sequence, chunk), so one warp searches for it,
+  // and no program index is ever divided. Chunk programs vary fastest, so the CTAs in flight
+  // read a band of columns over many rows; the opposite order (a whole row's column groups
+  // next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
+  // (docs/perf-notes.md, conv v3 CTA order).
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
-  int64_t num_ctas = 0;              // programs_per_col_block * col_groups_per_plane * planes
-  bool columns_fastest = false;
+  int64_t num_ctas = 0;              // the product of the grid's three extents
 };
 
 // Grid extents beyond which the launch is refused (CUDA's limits on y and z; x is bounded by
@@ -95,9 +85,6 @@ int default_vec(const PackedConvArgs& args);
 // 16384 x 256 (bench_conv_tunings). It may depend on capacities and dim only, never on the
 // pointer alignment that picks the vector width, so that a captured grid stays valid.
 int default_chunk_len(int64_t num_tokens, int64_t dim);
-
-// The CTA order when not forced.
-CtaOrder resolved_order(CtaOrder order);
 
 // Warps per CTA when not forced: 4, or the largest of 2 and 1 that divides the column blocks of
 // a plane when 4 does not (so no warp of the grid idles).

@@ -114,8 +114,8 @@ struct DeviceOps {
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
-// Each CTA runs one chunk program of one column group of one plane, numbered by p's CTA order
-// (conv_params.h). Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
+// CTA (x, y, z): chunk program x, column blocks y * warps + warp of plane z (conv_params.h).
+// Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
 // memory, so the other warps spend no instructions on it.
 template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta)
@@ -126,25 +126,8 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
-  int64_t chunk_program, col_group, plane;
-  if (p.columns_fastest) {
-    // num_ctas <= 2^31 - 1 (check_grid), so 32-bit unsigned divisions suffice.
-    const uint32_t groups = static_cast<uint32_t>(p.col_groups_per_plane);
-    const uint32_t per_program = groups * static_cast<uint32_t>(p.planes);
-    const uint32_t b = blockIdx.x;
-    const uint32_t program = b / per_program;
-    const uint32_t r = b - program * per_program;
-    const uint32_t pl = r / groups;
-    chunk_program = program;
-    plane = pl;
-    col_group = r - pl * groups;
-  } else {
-    chunk_program = blockIdx.x;
-    col_group = blockIdx.y;
-    plane = blockIdx.z;
-  }
   if (warp == 0) {
-    const ProgramChunk pc = locate_chunk(p, chunk_program, lane, ops);
+    const ProgramChunk pc = locate_chunk(p, blockIdx.x, lane, ops);
     if (lane == 0) {
       located[0] = pc.seq;
       located[1] = pc.chunk;
@@ -162,19 +145,16 @@ packed_conv_kernel(const PackedConvParams p) {
   pc.end = located[3];
   pc.seq_begin = located[4];
   pc.seq_end = located[5];
-  const int64_t plane_col_block = col_group * (blockDim.x / 32) + warp;
+  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  packed_conv_program<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, ops);
+  packed_conv_program<Traits, kSilu, kHasBias>(p, pc, blockIdx.z, plane_col_block, lane, ops);
 }
 
 template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
-  const dim3 grid = p.columns_fastest
-                        ? dim3(static_cast<unsigned>(p.num_ctas))
-                        : dim3(static_cast<unsigned>(p.programs_per_col_block),
-                               static_cast<unsigned>(p.col_groups_per_plane),
-                               static_cast<unsigned>(p.planes));
+  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
+                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
   const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);

@@ -379,38 +379,24 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     const kda::conv::PackedConvParams q = kda::conv::make_params(a, {4, 0, 8});
     CHECK(q.col_groups_per_plane == 2);  // 12 blocks in groups of 8
   }
-  SUBCASE("the CTA order: the same CTAs, numbered differently") {
-    using kda::conv::CtaOrder;
-    const bool default_columns =
-        kda::conv::resolved_order(CtaOrder::kDefault) == CtaOrder::kColumnsFastest;
-    CHECK(p.columns_fastest == default_columns);
-    const kda::conv::PackedConvParams c = kda::conv::make_params(a, {0, 0, 0, CtaOrder::kColumnsFastest});
-    const kda::conv::PackedConvParams r = kda::conv::make_params(a, {0, 0, 0, CtaOrder::kChunksFastest});
-    CHECK(c.columns_fastest);
-    CHECK_FALSE(r.columns_fastest);
-    CHECK(c.num_ctas == r.num_ctas);
-    CHECK(kda::conv::check_grid(c).empty());
-    CHECK(kda::conv::check_grid(r).empty());
-  }
 }
 
-TEST_CASE("check_grid names the extent that exceeds CUDA's limits, in either CTA order") {
+TEST_CASE("check_grid names the extent that exceeds CUDA's limits") {
   kda::conv::PackedConvParams p = kda::conv::make_params(kda_args());
-  p.chunk_shift = 4;
-  p.programs_per_col_block = int64_t{1} << 28;  // fits x alone, not times 9 CTAs per chunk
-  p.col_groups_per_plane = 3;
-  p.planes = 3;
-  p.num_ctas = p.programs_per_col_block * 9;
-  p.columns_fastest = false;
   CHECK(kda::conv::check_grid(p).empty());
-  p.columns_fastest = true;
+  p.programs_per_col_block = int64_t{1} << 31;
   CHECK(kda::conv::check_grid(p) ==
-        "the launch needs 2415919104 CTAs ((num_tokens / 16 + num_seqs) x column groups x planes), "
-        "more than the 2147483647 a grid's x extent can hold");
-  p.columns_fastest = false;
+        "the launch needs 2147483648 programs per column block (num_tokens / 16 + num_seqs), more "
+        "than the 2147483647 a grid's x extent can hold");
+  p.programs_per_col_block = 100;
   p.planes = 70000;
   CHECK(kda::conv::check_grid(p) ==
         "dim / part_dim = 70000 planes, more than the 65535 a grid's z extent can hold");
+  p.planes = 3;
+  p.col_groups_per_plane = 65536;
+  CHECK(kda::conv::check_grid(p) ==
+        "part_dim 1536 needs 65536 column groups per plane, more than the 65535 a grid's y extent "
+        "can hold");
 }
 
 TEST_CASE("a forced tuning outside the instances is refused before any launch") {
@@ -432,12 +418,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
   SUBCASE("warps_per_cta 3") {
     CHECK(kda::conv::check_tuning(a, {0, 0, 3}) ==
           "warps_per_cta 3 is not one of 1, 2, 4, 8 (or 0 for the default)");
-  }
-  SUBCASE("an order outside the enum") {
-    ConvTuning t;
-    t.order = static_cast<kda::conv::CtaOrder>(7);
-    CHECK(kda::conv::check_tuning(a, t) ==
-          "order 7 is not one of 1 (chunks fastest), 2 (columns fastest) or 0 (the default)");
   }
   SUBCASE("too much shared memory") {
     CHECK(kda::conv::check_tuning(a, {8, 0, 8}) ==
