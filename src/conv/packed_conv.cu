@@ -110,6 +110,9 @@ struct DeviceOps {
   __device__ __forceinline__ uint32_t ballot(bool pred) const {
     return __ballot_sync(0xFFFFFFFFu, pred);
   }
+  __device__ __forceinline__ int32_t shfl(int32_t v, int src) const {
+    return __shfl_sync(0xFFFFFFFFu, v, src);
+  }
   __device__ __forceinline__ void syncwarp() const { __syncwarp(); }
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };

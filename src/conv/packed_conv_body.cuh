@@ -11,7 +11,7 @@
 //   float fp16_to_f32(uint16_t h)          uint16_t f32_to_bf16_rn(float)   uint16_t f32_to_fp16_rn(float)
 //   uint32_t pack2_bf16_rn(float lo, float hi)   uint32_t pack2_fp16_rn(float lo, float hi)
 //   float silu(float acc)                  (device: silu_stock_fast; CPU: silu_host_approx)
-//   uint32_t ballot(bool pred)             void syncwarp()
+//   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
 //
 // One warp is one program: a (sequence, token chunk) of the program map (program_map.h), found
@@ -281,9 +281,10 @@ template <class Ops>
 KDA_HOST_DEVICE KDA_INLINE ProgramChunk locate_chunk(const PackedConvParams& p, int64_t chunk_program,
                                                      int lane, Ops& ops) {
   return locate_program_warp(
-      p.query_start_loc, p.num_seqs, p.chunk_shift, p.search_steps, p.search_stride,
-      chunk_program, lane, [&](int64_t i) { return ops.load_i32_ro(p.query_start_loc + i); },
-      [&](bool pred) { return ops.ballot(pred); });
+      p.num_seqs, p.chunk_shift, p.search_steps, p.search_stride, chunk_program, lane,
+      [&](int64_t i) { return ops.load_i32_ro(p.query_start_loc + i); },
+      [&](bool pred) { return ops.ballot(pred); },
+      [&](int32_t v, int src) { return ops.shfl(v, src); });
 }
 
 // Two results rounded to nearest even in the element type and packed into one 32-bit word, low

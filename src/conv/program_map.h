@@ -134,19 +134,45 @@ KDA_HOST_DEVICE inline ProgramChunk locate_program_scalar(const int32_t* qsl, in
 
 // The warp-cooperative map, called by all 32 lanes of a warp with the same p: lane j tests
 // candidate j, so each level is one load per lane and one ballot. load(i) reads qsl[i] (the
-// kernel uses the read-only cache); ballot(pred) returns the warp's 32 predicates as a mask
-// (__ballot_sync on the device, an emulation in the CPU tests). Every lane gets the same chunk.
-template <typename LoadFn, typename BallotFn>
-KDA_HOST_DEVICE inline ProgramChunk locate_program_warp(const int32_t* qsl, int64_t num_seqs,
-                                                        int chunk_shift, int steps,
-                                                        int64_t stride, int64_t p, int lane,
-                                                        LoadFn&& load, BallotFn&& ballot) {
-  const int64_t seq = find_sequence(steps, stride, [&](int64_t base, int64_t st) {
-    const int64_t cand = base + lane * st;
-    const bool le = cand < num_seqs && first_program(load(cand), cand, chunk_shift) <= p;
-    return popcount32(ballot(le));
-  });
-  return chunk_of_sequence(qsl, seq, chunk_shift, p);
+// kernel uses the read-only cache); ballot(pred) returns the warp's 32 predicates as a mask;
+// shfl(v, j) returns lane j's v (__ballot_sync / __shfl_sync on the device, an emulation in the
+// CPU tests). Every lane gets the same chunk, the same as locate_program_scalar's.
+//
+// The sequence's bounds qsl[seq] and qsl[seq + 1] come from the last level's loads by shuffle,
+// not from two more loads that would wait for the last ballot: at that level (stride 1) lane j
+// holds qsl[base + j], seq = base + n - 1, so qsl[seq] is lane n - 1's and qsl[seq + 1] lane
+// n's. Lanes load candidates up to num_seqs inclusive (qsl has num_seqs + 1 entries; only
+// candidates below num_seqs vote), so lane n's is loaded whenever n < 32; for n == 32 one load
+// remains. This takes one dependent memory round trip off every CTA's start-up.
+template <typename LoadFn, typename BallotFn, typename ShflFn>
+KDA_HOST_DEVICE inline ProgramChunk locate_program_warp(int64_t num_seqs, int chunk_shift,
+                                                        int steps, int64_t stride, int64_t p,
+                                                        int lane, LoadFn&& load,
+                                                        BallotFn&& ballot, ShflFn&& shfl) {
+  int64_t base = 0;
+  int32_t value = 0;  // this lane's qsl[candidate] at the latest level
+  int n = 0;
+  for (int level = 0; level < steps; ++level) {
+    const int64_t cand = base + lane * stride;
+    value = cand <= num_seqs ? load(cand) : 0;
+    const bool le = cand < num_seqs && first_program(value, cand, chunk_shift) <= p;
+    n = popcount32(ballot(le));
+    // As find_sequence: past level 0, candidate 0 is the previous answer, so n >= 1 there.
+    if (n == 0) return ProgramChunk{};
+    base += static_cast<int64_t>(n - 1) * stride;
+    stride >>= kRadixShift;
+  }
+  ProgramChunk pc;
+  pc.seq = base;
+  const int32_t seq_begin = shfl(value, n - 1);
+  const int32_t next = shfl(value, n < kRadix ? n : 0);
+  pc.seq_begin = seq_begin;
+  pc.seq_end = n < kRadix ? next : load(base + 1);
+  pc.chunk = p - first_program(seq_begin, base, chunk_shift);
+  pc.begin = pc.seq_begin + pc.chunk * (int64_t{1} << chunk_shift);
+  const int64_t chunk_end = pc.begin + (int64_t{1} << chunk_shift);
+  pc.end = chunk_end < pc.seq_end ? chunk_end : pc.seq_end;
+  return pc;
 }
 
 }  // namespace kda::conv

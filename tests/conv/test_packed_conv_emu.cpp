@@ -57,6 +57,7 @@ Range range_of(const std::vector<T>& v) {
 struct Warp {
   Barrier barrier{32};
   uint32_t votes[32] = {};
+  int32_t shuffled[32] = {};
   std::vector<Float4> stage_storage;  // 16-byte aligned, as the shared staging area
   Range x, out, weight, bias, qsl, cache, flags, state, stage;
   std::atomic<int64_t> bad_access{0};
@@ -133,6 +134,14 @@ struct HostOps {
     for (int l = 0; l < 32; ++l) mask |= warp->votes[l] << l;
     warp->barrier.wait();  // nobody votes again before every lane has read this ballot
     return mask;
+  }
+  int32_t shfl(int32_t v, int src) const {
+    check(src >= 0 && src < 32);
+    warp->shuffled[lane] = v;
+    warp->barrier.wait();
+    const int32_t r = warp->shuffled[src & 31];
+    warp->barrier.wait();  // nobody writes again before every lane has read
+    return r;
   }
   void syncwarp() const { warp->barrier.wait(); }
   float* stage() const { return reinterpret_cast<float*>(warp->stage_storage.data()); }
@@ -392,6 +401,75 @@ void check_outcome(const Outcome& o) {
 }
 
 }  // namespace
+
+// The kernel's map (locate_chunk: radix search by ballots, the sequence's bounds by shuffles
+// from the last level's loads) against the scalar map, for every lane, on batches that hit
+// its edge cases: one sequence, a last-level answer in lane 31 (the bound then needs a load),
+// empty sequences, 40,000 sequences (three levels), and a malformed (decreasing) qsl.
+TEST_CASE("the warp map with shuffled sequence bounds equals the scalar map on every lane") {
+  std::mt19937_64 rng(2026);
+  struct Case {
+    const char* name;
+    std::vector<int32_t> qsl;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"one sequence", {0, 1000}});
+  {
+    std::vector<int32_t> q{0};
+    for (int s = 0; s < 64; ++s) q.push_back(q.back() + static_cast<int32_t>(rng() % 40));
+    cases.push_back({"64 sequences of 0..39 tokens", q});
+  }
+  {
+    std::vector<int32_t> q{0};
+    for (int s = 0; s < 32; ++s) q.push_back(q.back() + (s == 31 ? 500 : 3));
+    cases.push_back({"32 sequences, the long one last (lane 31)", q});
+  }
+  {
+    std::vector<int32_t> q{0};
+    for (int s = 0; s < 40000; ++s) q.push_back(q.back() + static_cast<int32_t>(rng() % 4));
+    cases.push_back({"40000 sequences of 0..3 tokens", q});
+  }
+  cases.push_back({"malformed: decreasing", {0, 50, 20, 90, 90, 10, 200}});
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const int64_t num_seqs = static_cast<int64_t>(c.qsl.size()) - 1;
+    const int shift = 4;
+    const int steps = kda::conv::search_steps(num_seqs);
+    const int64_t stride = kda::conv::search_stride(steps);
+    const int64_t programs = kda::conv::programs_per_col_block(c.qsl.back() + 64, num_seqs, shift);
+    std::vector<int64_t> ps;
+    for (int64_t p = 0; p < programs; ++p)
+      if (programs <= 3000 || p % 37 == 0 || p < 200 || p > programs - 200) ps.push_back(p);
+    kda::conv::PackedConvParams params;
+    params.query_start_loc = c.qsl.data();
+    params.num_seqs = num_seqs;
+    params.chunk_shift = shift;
+    params.search_steps = steps;
+    params.search_stride = stride;
+    Warp warp;
+    warp.qsl = range_of(c.qsl);
+    std::atomic<int64_t> mismatches{0};
+    std::vector<std::thread> lanes;
+    for (int lane = 0; lane < 32; ++lane) {
+      lanes.emplace_back([&, lane] {
+        HostOps ops{&warp, lane};
+        for (const int64_t p : ps) {
+          const kda::conv::ProgramChunk w = kda::conv::locate_chunk(params, p, lane, ops);
+          const kda::conv::ProgramChunk r =
+              kda::conv::locate_program_scalar(c.qsl.data(), num_seqs, shift, steps, stride, p);
+          const bool same = w.seq == r.seq && (r.seq < 0 || (w.chunk == r.chunk && w.begin == r.begin &&
+                                                            w.end == r.end && w.seq_begin == r.seq_begin &&
+                                                            w.seq_end == r.seq_end));
+          if (!same) mismatches.fetch_add(1);
+        }
+      });
+    }
+    for (auto& t : lanes) t.join();
+    CHECK(mismatches.load() == 0);
+    CHECK(warp.bad_access.load() == 0);
+    MESSAGE(std::string(c.name) << ": " << ps.size() << " programs x 32 lanes, " << mismatches.load() << " differ");
+  }
+}
 
 TEST_CASE("the emulated kernel equals the reference bit for bit for every vector width and chunk length") {
   for (int vec : {8, 4, 2, 1}) {
