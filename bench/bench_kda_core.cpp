@@ -1,8 +1,8 @@
 // Benchmark of the KDA core (spec steps 4 and 5: prep + gated delta rule): the token-by-token
 // kernel kda_prep_recurrence against the chunked tensor-core kernel kda_chunked, and the
 // chunked kernel's two phases alone, phase 2 once per state kernel (KdaStateKernel: KSplit,
-// Unsplit, the default, Narrow and Original, a row each, on the same records), on the shapes
-// of docs/perf-notes-kda-core.md.
+// Unsplit, the default, and Original, a row each, on the same records), on the shapes of
+// docs/perf-notes-kda-core.md.
 //
 //   bench_kda_core [--quick] [--reps N] [--out FILE]
 //
@@ -39,8 +39,7 @@ constexpr double kPeakTBps = 4.3;      // H200 device copy, measured
 // Tensor-core work of the chunked kernel per (chunk, head), in bf16 m16n8k16 equivalents (4096
 // flop): phase 1 runs 6 off-diagonal 16 x 16 blocks x 32 mma; phase 2 8 warps x (64 U + 64 + 20
 // O bf16 mma + 128 tf32 m16n8k8 for the state update, 2048 flop each = 64 equivalents), the
-// same for every state kernel (KSplit deals each 16 value rows' mma to two warps, Narrow gives
-// 16 warps 8 value rows each: 74 bf16 + 64 tf32 mma apiece, the same total).
+// same for every state kernel (KSplit deals each 16 value rows' mma to two warps).
 constexpr double kMmaFlop = 2.0 * 16 * 8 * 16;
 constexpr double kPrepMmaPerChunk = 6 * 32;
 constexpr double kStateMmaPerChunk = 8 * 212;
@@ -193,7 +192,6 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   const std::pair<kda::KdaStateKernel, const char*> state_kernels[] = {
       {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit"},
       {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit (default)"},
-      {kda::KdaStateKernel::Narrow, "  phase 2 (state, o): Narrow"},
       {kda::KdaStateKernel::Original, "  phase 2 (state, o): Original"},
   };
   for (const auto& [kernel, label] : state_kernels)

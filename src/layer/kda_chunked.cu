@@ -4,12 +4,12 @@
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 105 KB of shared memory (two blocks
 // per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 203 KB of
-// shared memory (KSplit: double-buffered chunk records and the exchange of partials), 128
-// threads and 171 KB (Narrow) or 64 threads and 171 KB (Unsplit, Original). Both grids depend
-// on capacities only (CUDA graph safe).
+// shared memory (KSplit: double-buffered chunk records and the exchange of partials) or 64
+// threads and 171 KB (Unsplit, Original). Both grids depend on capacities only (CUDA graph
+// safe).
 // Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 and m16n8k8 tf32, ldmatrix,
-// cp.async, cvt.rna.tf32, named barriers; movmatrix is sm_75+), identical in the sm_90a SASS
-// and the compute_90 PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
+// cp.async, cvt.rna.tf32, named barriers), identical in the sm_90a SASS and the compute_90
+// PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -31,7 +31,6 @@ namespace kda {
 namespace {
 
 using chunked::ChunkedParams;
-using chunked::NarrowTraits;
 using chunked::PrepSmem;
 using chunked::PrepTraits;
 using chunked::Record;
@@ -70,14 +69,6 @@ struct DeviceOps {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
-  }
-
-  // The transpose of the warp's 8 x 8 b16 matrix (this lane: row lane / 4, columns
-  // 2 (lane % 4), + 1 in, the same positions of the transpose out).
-  __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) const {
-    uint32_t r;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
-    return r;
   }
 
   // d += a b (m16n8k16, bf16 in, fp32 accumulate).
@@ -142,13 +133,6 @@ __global__ void __launch_bounds__(SplitTraits<kKSplit>::kThreads, 1)
   chunked::state_block_split<kKSplit>(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
 }
 
-__global__ void __launch_bounds__(NarrowTraits::kThreads, 1)
-    kda_chunk_state_narrow_kernel(const ChunkedParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  DeviceOps ops{smem_raw};
-  chunked::state_block_narrow(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
@@ -193,9 +177,6 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_split_kernel<2>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  SplitTraits<2>::kSmemBytes));
-  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_narrow_kernel,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 NarrowTraits::kSmemBytes));
   if (done.size() <= static_cast<std::size_t>(device)) done.resize(device + 1, false);
   done[device] = true;
 }
@@ -282,11 +263,10 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
   switch (state_kernel) {
     case KdaStateKernel::KSplit:
     case KdaStateKernel::Unsplit:
-    case KdaStateKernel::Original:
-    case KdaStateKernel::Narrow: break;
+    case KdaStateKernel::Original: break;
     default:
       KDA_FAIL(kFunction, "state_kernel ", static_cast<int>(state_kernel),
-               " is not one of KSplit, Unsplit, Original, Narrow");
+               " is not one of KSplit, Unsplit, Original");
   }
   const ChunkedParams p = chunked::make_chunked_params(a, workspace);
   set_smem_attributes();
@@ -306,8 +286,7 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
   }
   if (state) {
     static_assert(StateTraits::kSlices == SplitTraits<1>::kSlices &&
-                      StateTraits::kSlices == SplitTraits<2>::kSlices &&
-                      StateTraits::kSlices == NarrowTraits::kSlices,
+                      StateTraits::kSlices == SplitTraits<2>::kSlices,
                   "all phase-2 forms have one grid");
     const dim3 grid(static_cast<unsigned>(a.max_seqs), static_cast<unsigned>(a.num_heads),
                     StateTraits::kSlices);
@@ -322,10 +301,6 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
         break;
       case KdaStateKernel::Original:
         kda_chunk_state_kernel<<<grid, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p);
-        break;
-      case KdaStateKernel::Narrow:
-        kda_chunk_state_narrow_kernel
-            <<<grid, NarrowTraits::kThreads, NarrowTraits::kSmemBytes, stream>>>(p);
         break;
     }
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());

@@ -57,13 +57,8 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 //            phase 2 is the critical path), within 2% of it elsewhere, and bit-identical to
 //            Original;
 //   Original the first kernel (one warp per 16 value rows and all 128 channels), kept for
-//            comparison;
-//   Narrow   four warps per block, 8 value rows each (all 128 channels, no exchange): half of
-//            Unsplit's mma per warp and chunk and one warp on each of the SM's four
-//            schedulers, the products written untransposed (values on the mma's n8 side).
-//            Same per-element arithmetic as Unsplit (bit-identical in the CPU emulation). Not
-//            yet measured on a GPU.
-enum class KdaStateKernel { KSplit, Unsplit, Original, Narrow };
+//            comparison.
+enum class KdaStateKernel { KSplit, Unsplit, Original };
 
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
 // kda_chunked_workspace_bytes(args) bytes, 16-byte aligned; its contents on entry do not

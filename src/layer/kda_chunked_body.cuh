@@ -33,8 +33,6 @@
 // memory. U and O are bf16 products (B tiles read with ldmatrix); the state update, whose
 // operands set the precision of the carried state, is a tf32 product (m16n8k8, B read as
 // 8-byte pairs), which keeps the final state's error near 3e-4 instead of 3e-3.
-// state_block_narrow (the last body) is the one form that is not transposed: 4 warps of 8 value
-// columns each, the values on the mma's n8 side, the record tiles as A operands.
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
 // barriers, shuffles, the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps
@@ -1040,11 +1038,11 @@ __host__ __device__ __forceinline__ bool state_walk(const ChunkedParams& p, int6
   return w.first >= 0 && w.first + w.nchunks <= p.slots;
 }
 
-// The double-buffered record stages of the unrolled-copy forms (state_block_split,
-// state_block_narrow): stage n & 1 holds chunk n. start_stages issues chunk 0's copies;
-// enter_chunk(n) waits for chunk n's (this thread's, then everyone's at the block barrier, past
-// which everyone is also done with chunk n - 1), refills the other stage with chunk n + 1 and
-// returns chunk n's stage. One block barrier per chunk.
+// The double-buffered record stages of the unrolled-copy form (state_block_split): stage n & 1
+// holds chunk n. start_stages issues chunk 0's copies; enter_chunk(n) waits for chunk n's (this
+// thread's, then everyone's at the block barrier, past which everyone is also done with chunk
+// n - 1), refills the other stage with chunk n + 1 and returns chunk n's stage. One block
+// barrier per chunk.
 struct StagePipe {
   const unsigned char* rec;  // the record of the newest chunk in flight
   int64_t rec_step;          // between the records of consecutive chunks of a head
@@ -1312,225 +1310,6 @@ KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
       const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
       state[c * p.state_k + v * p.state_v] = st[nt][r];
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Phase 2, narrow form (state_block_narrow, KdaStateKernel::Narrow). Same grid, records, stage
-// layout and stage pipeline as state_block_split, but 4 warps per block and 8 value columns per
-// warp, so that each warp issues half of Unsplit's mma per chunk and all four schedulers of the
-// SM have one. With 8 value columns the value index can no longer be the m16 side of the
-// products (the transposed form above): here every product is written untransposed, value on
-// the n8 side, the record tiles as A operands (ldmatrix from the stage, read by all 4 warps)
-// and the state and U as B operands from registers:
-//   -U = W S0 - Uv     m 64 tokens (4 m-tiles) x n 8 values, k 128 keys: 32 bf16 mma
-//    O = Qt S0         the same shape: 32 bf16 mma
-//   O += M' U          m 64, k 64 tokens, lower triangle only: 10 bf16 mma
-//    S = diag(gamma) S0 + Kb'^T U   m 128 keys (8 m-tiles) x n 8 values, k 64 tokens: 64 tf32
-// per warp and chunk (Unsplit: 64 + 64 + 20 bf16 + 128 tf32). The accumulators (row g / g + 8,
-// columns 2t, 2t + 1) are not in the B layout (k 2t.., column g): each 8 x 8 block of S (bf16)
-// and of U (fp32, as its two 16-bit halves) is transposed across the warp with movmatrix.trans
-// (32 per warp and chunk), which is exact.
-// Every output element gets the same products in the same k positions (the same k-to-key and
-// k-to-token maps, including the state update's token pairs 8 s + 2t, 8 s + 2t + 1 as the
-// tf32 k = t, t + 4), the same accumulator start (-Uv, 0, gamma S0) and the same k-step order
-// as in Unsplit; the operand roles are only swapped (a b instead of b a, exact products), so the
-// results are Unsplit's bits (the CPU emulation checks this; on the GPU it holds if the
-// tensor core's sum of the k products does not depend on which operand is A).
-
-struct NarrowTraits {
-  static constexpr int kWarps = 4;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kColumnsPerWarp = 8;  // value columns of S per warp (one n8 tile)
-  static constexpr int kColumns = kWarps * kColumnsPerWarp;
-  static constexpr int kSlices = kHeadDim / kColumns;
-  static constexpr int kKeyTiles = kHeadDim / 16;  // m16 tiles of S (keys)
-  static constexpr int kTokenTiles = kChunk / 16;  // m16 tiles of U and O (tokens)
-  static constexpr int kSmemBytes = 2 * StateTraits::kStageBytes;
-  static_assert(kColumns == StateTraits::kColumns, "the stage layout is StateTraits'");
-  static_assert(kSmemBytes <= 227 * 1024, "two stages must fit");
-};
-
-// Transposes an 8 x 8 fp32 matrix held as an m16n8 accumulator half (this lane: row g,
-// columns 2t, 2t + 1 in x0, x1): returns in y0, y1 row g, columns 2t, 2t + 1 of the transpose,
-// i.e. elements (2t, g) and (2t + 1, g). Two movmatrix of the high and the low 16-bit halves.
-KDA_OPS_BODY
-template <class Ops>
-__host__ __device__ __forceinline__ void transpose_f32(Ops& ops, float x0, float x1, float& y0,
-                                                       float& y1) {
-  uint32_t a, b;
-  memcpy(&a, &x0, 4);
-  memcpy(&b, &x1, 4);
-  const uint32_t hi = ops.movmatrix_trans((a >> 16) | (b & 0xFFFF0000u));
-  const uint32_t lo = ops.movmatrix_trans((a & 0xFFFFu) | (b << 16));
-  const uint32_t c = (hi << 16) | (lo & 0xFFFFu), d = (hi & 0xFFFF0000u) | (lo >> 16);
-  memcpy(&y0, &c, 4);
-  memcpy(&y1, &d, 4);
-}
-
-// One (sequence, head, value slice) of phase 2 in the narrow form, as thread `tid` of 128.
-// Exits are uniform over the block, as in state_block.
-KDA_OPS_BODY
-template <class Ops>
-__host__ __device__ __forceinline__ void state_block_narrow(Ops& ops, const ChunkedParams& p,
-                                                            int64_t seq, int head, int slice,
-                                                            int tid) {
-  using S = StateTraits;
-  using T = NarrowTraits;
-  StateWalk walk;
-  if (!state_walk(p, seq, walk)) return;
-  const SeqSpan& span = walk.span;
-  const int64_t nchunks = walk.nchunks;
-
-  const int lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
-  const int vbase = slice * T::kColumns;
-  const int vrow = warp * T::kColumnsPerWarp;  // warp's first value column inside the block
-  const int v0 = vbase + vrow;
-
-  // S: st[mt] is the accumulator tile of key channels 16 mt + (g, g + 8) and value columns
-  // v0 + (2t, 2t + 1): st[mt][r] is key 16 mt + g + 8 (r >> 1), value v0 + 2t + (r & 1).
-  float st[T::kKeyTiles][4];
-  float* state = p.states + span.line * p.state_line + head * p.state_head;
-  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-KDA_UNROLL
-  for (int mt = 0; mt < T::kKeyTiles; ++mt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int c = 16 * mt + g + 8 * (r >> 1), v = v0 + 2 * t + (r & 1);
-      st[mt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
-    }
-  }
-
-  // Per-lane ldmatrix offsets of A tiles stored [m][k] (W, Qt: [token][key]; M': [i][j]):
-  // matrix m covers rows 8 (m & 1).. and columns 8 (m >> 1).., so r[0..3] are a0..a3.
-  const uint32_t off_tile = (r8 + 8 * (m & 1)) * S::kPitchTile + (m >> 1) * 16;
-  const uint32_t off_mp = (r8 + 8 * (m & 1)) * S::kPitchMp + (m >> 1) * 16;
-
-  StagePipe pipe = start_stages<T::kThreads>(ops, p, walk.first, head, vbase, tid);
-KDA_UNROLL_1
-  for (int64_t n = 0; n < nchunks; ++n) {
-    const Stage stage = enter_chunk<T::kThreads>(ops, pipe, n, nchunks, tid);
-    const float* uvt = reinterpret_cast<const float*>(stage.ptr + S::kUvT);
-    const float* gamma = reinterpret_cast<const float*>(stage.ptr + S::kGamma);
-
-    // S0 as bf16 B fragments: k-step kk covers keys [16 kk, 16 kk + 16); sb[kk][0] holds keys
-    // 16 kk + 2t, 2t + 1 of value column g (the transpose of st[kk][0..1]'s 8 x 8 block),
-    // sb[kk][1] keys 16 kk + 8 + 2t.. (of st[kk][2..3]).
-    uint32_t sb[T::kKeyTiles][2];
-KDA_UNROLL
-    for (int kk = 0; kk < T::kKeyTiles; ++kk) {
-      sb[kk][0] = ops.movmatrix_trans(pack_bf16(st[kk][0], st[kk][1]));
-      sb[kk][1] = ops.movmatrix_trans(pack_bf16(st[kk][2], st[kk][3]));
-    }
-
-    // ua = -U = W S0 - Uv and oa = Qt S0; m-tile mt covers tokens [16 mt, 16 mt + 16):
-    // ua[mt][r] is token 16 mt + g + 8 (r >> 1), value column vrow + 2t + (r & 1).
-    float ua[T::kTokenTiles][4], oa[T::kTokenTiles][4];
-    constexpr int kUvFloats = S::kPitchUv / 4;
-KDA_UNROLL
-    for (int mt = 0; mt < T::kTokenTiles; ++mt) {
-      const float* col = uvt + (vrow + 2 * t) * kUvFloats + 16 * mt + g;
-      ua[mt][0] = -col[0];
-      ua[mt][1] = -col[kUvFloats];
-      ua[mt][2] = -col[8];
-      ua[mt][3] = -col[kUvFloats + 8];
-      oa[mt][0] = oa[mt][1] = oa[mt][2] = oa[mt][3] = 0.0f;
-    }
-KDA_UNROLL
-    for (int kk = 0; kk < T::kKeyTiles; ++kk) {
-KDA_UNROLL
-      for (int mt = 0; mt < T::kTokenTiles; ++mt) {
-        uint32_t a[4];
-        const uint32_t tile_off = off_tile + mt * 16 * S::kPitchTile + kk * 32;
-        ops.ldsm_x4(a, stage.addr + S::kW + tile_off);
-        ops.mma(ua[mt], a, sb[kk][0], sb[kk][1]);
-        ops.ldsm_x4(a, stage.addr + S::kQt + tile_off);
-        ops.mma(oa[mt], a, sb[kk][0], sb[kk][1]);
-      }
-    }
-
-    // U transposed, 8 x 8 block b = tokens [8 b, 8 b + 8): ut[b] holds U at tokens 8 b + 2t,
-    // 8 b + 2t + 1 of value column g: the tf32 B fragment of k-step b of the state update
-    // (k = t, t + 4 standing for those two tokens, as in Unsplit), and in bf16 pairs the B
-    // fragments of U for M' U.
-    float ut[kChunk / 8][2];
-KDA_UNROLL
-    for (int mt = 0; mt < T::kTokenTiles; ++mt) {
-KDA_UNROLL
-      for (int h = 0; h < 2; ++h)
-        transpose_f32(ops, -ua[mt][2 * h], -ua[mt][2 * h + 1], ut[2 * mt + h][0],
-                      ut[2 * mt + h][1]);
-    }
-    uint32_t ub[T::kTokenTiles][2];  // k-step kq: tokens 16 kq + 2t.. (b0), 16 kq + 8 + 2t.. (b1)
-KDA_UNROLL
-    for (int kq = 0; kq < T::kTokenTiles; ++kq) {
-      ub[kq][0] = pack_bf16(ut[2 * kq][0], ut[2 * kq][1]);
-      ub[kq][1] = pack_bf16(ut[2 * kq + 1][0], ut[2 * kq + 1][1]);
-    }
-
-    // S = diag(gamma) S0 + Kb'^T U in tf32. A (16 keys x 8 token slots) of m-tile mt, k-step s:
-    // a0 (key 16 mt + g, k t) and a2 (same key, k t + 4) are Kb' at tokens 8 s + 2t, 8 s + 2t + 1:
-    // one 8-byte pair of the stage's pair row 4 s + t; a1, a3 the pair of key 16 mt + g + 8.
-KDA_UNROLL
-    for (int mt = 0; mt < T::kKeyTiles; ++mt) {
-      const float gm0 = gamma[16 * mt + g], gm1 = gamma[16 * mt + g + 8];
-      st[mt][0] *= gm0;
-      st[mt][1] *= gm0;
-      st[mt][2] *= gm1;
-      st[mt][3] *= gm1;
-    }
-    const float* kb = reinterpret_cast<const float*>(stage.ptr + S::kKb);
-KDA_UNROLL
-    for (int s = 0; s < kChunk / 8; ++s) {
-      const uint32_t b0 = tf32_bits(ut[s][0]), b1 = tf32_bits(ut[s][1]);
-      const float* pair_row = kb + (4 * s + t) * S::kPitchKbFloats + 2 * g;
-KDA_UNROLL
-      for (int mt = 0; mt < T::kKeyTiles; ++mt) {
-        const uint2 lo = ld_as<uint2>(pair_row + 32 * mt);
-        const uint2 hi = ld_as<uint2>(pair_row + 32 * mt + 16);
-        const uint32_t a[4] = {lo.x, hi.x, lo.y, hi.y};
-        ops.mma_tf32(st[mt], a, b0, b1);
-      }
-    }
-
-    // oa += M' U over the token blocks kq <= mt only (M' is zero above its diagonal).
-KDA_UNROLL
-    for (int mt = 0; mt < T::kTokenTiles; ++mt) {
-KDA_UNROLL
-      for (int kq = 0; kq <= mt; ++kq) {
-        uint32_t a[4];
-        ops.ldsm_x4(a, stage.addr + S::kMp + off_mp + mt * 16 * S::kPitchMp + kq * 32);
-        ops.mma(oa[mt], a, ub[kq][0], ub[kq][1]);
-      }
-    }
-
-    // o rows: token 16 mt + g + 8 (r >> 1), value column v0 + 2t + (r & 1). One row pointer
-    // steps 8 rows per half m-tile. (o is only 2-byte aligned: two bf16 stores per pair.)
-    const int64_t t0 = span.bos + n * kChunk;
-    const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
-    __nv_bfloat16* orow =
-        p.o + (t0 + g) * p.o_stride + static_cast<int64_t>(head) * kHeadDim + v0 + 2 * t;
-    const int64_t step8 = 8 * p.o_stride;
-KDA_UNROLL
-    for (int mt = 0; mt < T::kTokenTiles; ++mt) {
-KDA_UNROLL
-      for (int h = 0; h < 2; ++h, orow += step8) {
-        if (16 * mt + 8 * h + g < rows) {
-          orow[0] = __float2bfloat16_rn(oa[mt][2 * h]);
-          orow[1] = __float2bfloat16_rn(oa[mt][2 * h + 1]);
-        }
-      }
-    }
-  }
-
-KDA_UNROLL
-  for (int mt = 0; mt < T::kKeyTiles; ++mt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int c = 16 * mt + g + 8 * (r >> 1), v = v0 + 2 * t + (r & 1);
-      state[c * p.state_k + v * p.state_v] = st[mt][r];
     }
   }
 }

@@ -1,7 +1,7 @@
 // The chunked KDA kernels' block bodies (src/layer/kda_chunked_body.cuh) executed on the CPU:
 // one std::thread per CUDA thread, barriers for __syncthreads and for named barriers
-// (bar.sync id, n), and the warp collectives (shuffle, ldmatrix, movmatrix, mma.sync m16n8k16
-// bf16 and m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment layouts. So the fragment index
+// (bar.sync id, n), and the warp collectives (shuffle, ldmatrix, mma.sync m16n8k16 bf16 and
+// m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment layouts. So the fragment index
 // math, the record layout shared by the two phases, the K-split exchange of phase 2, the
 // varlen map and the skip rules are checked without a GPU, on the very code the kernels run,
 // against the float64 reference (kda::ref::prep_recurrence), for every phase-2 kernel
@@ -205,17 +205,6 @@ struct HostOps {
   }
 
 
-  // movmatrix.sync.aligned.m8n8.trans.b16: element (row, col) of the warp's 8 x 8 matrix is half
-  // col % 2 of lane 4 row + col / 2's word; each lane gets its positions of the transpose.
-  uint32_t movmatrix_trans(uint32_t x) {
-    WarpSlot& s = slot();
-    s.u[lane()][0] = x;
-    warp_wait();
-    auto el = [&](int row, int col) { return (s.u[4 * row + col / 2][0] >> (16 * (col % 2))) & 0xFFFFu; };
-    const int g = lane() >> 2, t = lane() & 3;
-    return el(2 * t, g) | (el(2 * t + 1, g) << 16);
-  }
-
   // mma.sync m16n8k16 row.col bf16 -> fp32: every lane publishes its fragments, then computes
   // its own four outputs from the whole warp's.
   void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -317,13 +306,12 @@ const char* kernel_name(kda::KdaStateKernel kernel) {
     case kda::KdaStateKernel::KSplit: return "KSplit";
     case kda::KdaStateKernel::Unsplit: return "Unsplit";
     case kda::KdaStateKernel::Original: return "Original";
-    case kda::KdaStateKernel::Narrow: return "Narrow";
   }
   return "?";
 }
 // Original last: the others are compared with it.
 constexpr kda::KdaStateKernel kAllStateKernels[] = {kda::KdaStateKernel::KSplit, kda::KdaStateKernel::Unsplit,
-                                                    kda::KdaStateKernel::Narrow, kda::KdaStateKernel::Original};
+                                                    kda::KdaStateKernel::Original};
 
 // The records kda_chunked's phase 1 leaves, with room for these capacities: NaN at first,
 // so a record phase 2 reads but phase 1 did not write shows.
@@ -354,10 +342,8 @@ void emulate_prep(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& works
 void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies,
                    kda::KdaStateKernel kernel) {
   const ChunkedParams p = kda::chunked::make_chunked_params(args, workspace.data());
-  using kda::chunked::NarrowTraits;
   using kda::chunked::SplitTraits;
   using kda::chunked::StateTraits;
-  static_assert(NarrowTraits::kSlices == StateTraits::kSlices, "one grid for all phase-2 forms");
   for (int64_t seq = 0; seq < p.max_seqs; ++seq)
     for (int head = 0; head < p.num_heads; ++head)
       for (int slice = 0; slice < StateTraits::kSlices; ++slice) {
@@ -375,11 +361,6 @@ void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& work
           case kda::KdaStateKernel::Original:
             run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies,
                       [&](HostOps& ops, int tid) { kda::chunked::state_block(ops, p, seq, head, slice, tid); });
-            break;
-          case kda::KdaStateKernel::Narrow:
-            run_block(NarrowTraits::kThreads, NarrowTraits::kSmemBytes, late_copies, [&](HostOps& ops, int tid) {
-              kda::chunked::state_block_narrow(ops, p, seq, head, slice, tid);
-            });
             break;
         }
       }
@@ -652,26 +633,17 @@ TEST_CASE("the emulated chunked kernels match the float64 reference on a varlen 
       emulate_state(after.back().args(), workspace, /*late_copies=*/bounded, kernel);
       check_against_reference(before, after.back(), ref);
     }
-    // Unsplit sums in the first form's order: the same bits. Narrow (values on the n side of
-    // every product, 8 per warp) forms each element from the same products in the same k
-    // positions and order as Unsplit: the same bits again. KSplit adds the two halves of the
+    // Unsplit sums in the first form's order: the same bits. KSplit adds the two halves of the
     // key channels at the end (and rounds U to bf16 from that sum), so it differs from the
     // first form in the last bits: about 3e-5 on o and 2e-5 on the states here, against 3e-3
     // and 3e-4 from float64.
     static_assert(kAllStateKernels[0] == kda::KdaStateKernel::KSplit &&
                       kAllStateKernels[1] == kda::KdaStateKernel::Unsplit &&
-                      kAllStateKernels[2] == kda::KdaStateKernel::Narrow &&
-                      kAllStateKernels[3] == kda::KdaStateKernel::Original,
+                      kAllStateKernels[2] == kda::KdaStateKernel::Original,
                   "the comparisons below name the kernels by position");
     const HostBatchData& original = after.back();
     CHECK(after[1].o == original.o);
     CHECK(std::memcmp(after[1].pool.data(), original.pool.data(), original.pool.size() * sizeof(float)) == 0);
-    {
-      const Worst n = compare_runs(before, after[2], after[1]);
-      MESSAGE("Narrow vs Unsplit: worst o difference ", n.o, ", state ", n.state);
-      CHECK(after[2].o == after[1].o);
-      CHECK(std::memcmp(after[2].pool.data(), after[1].pool.data(), original.pool.size() * sizeof(float)) == 0);
-    }
     const Worst w = compare_runs(before, after[0], original);
     MESSAGE("KSplit vs Original: worst o difference ", w.o, ", state ", w.state);
     CHECK(w.o < 5e-4);
