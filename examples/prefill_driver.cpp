@@ -258,8 +258,6 @@ void upload_vec(void* dst, const std::vector<T>& v) {
 
 
 
-int64_t conv_pool_elems(const kda::Config& c) { return c.pools.cache_lines * 3 * c.model.part_dim() * 3; }
-int64_t rec_pool_elems(const kda::Config& c) { return c.pools.cache_lines * c.model.num_heads * 128 * 128; }
 
 // What one module (the TP = 1 one, or a rank) leaves after the compared forward, and its timings.
 struct RunResult {
@@ -277,8 +275,8 @@ void collect(kda::PrefillModule& m, int64_t T, cudaStream_t s, RunResult& r) {
   cuda_try(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   r.out = download_vec<uint16_t>(m.output(), T * c.model.hidden_size);
   for (int l = 0; l < static_cast<int>(c.runtime.num_layers); ++l) {
-    r.conv.push_back(download_vec<float>(m.conv_state_pool(l), conv_pool_elems(c)));
-    r.rec.push_back(download_vec<float>(m.recurrent_state_pool(l), rec_pool_elems(c)));
+    r.conv.push_back(download_vec<float>(m.conv_state_pool(l), c.conv_pool_elems()));
+    r.rec.push_back(download_vec<float>(m.recurrent_state_pool(l), c.recurrent_pool_elems()));
   }
 }
 
@@ -423,8 +421,8 @@ int run_tp(const Options& opt) {
     m.run(first.view(), s);
     cuda_try(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     for (int l = 0; l < layers; ++l) {
-      conv0.push_back(download_vec<float>(m.conv_state_pool(l), conv_pool_elems(full)));
-      rec0.push_back(download_vec<float>(m.recurrent_state_pool(l), rec_pool_elems(full)));
+      conv0.push_back(download_vec<float>(m.conv_state_pool(l), full.conv_pool_elems()));
+      rec0.push_back(download_vec<float>(m.recurrent_state_pool(l), full.recurrent_pool_elems()));
     }
     m.run(next.view(), s);
     collect(m, T, s, ref);

@@ -85,6 +85,13 @@ struct Config {
   // path that was read ("runtime.token_buckets[2]" -> 14). Empty for configs built in code.
   std::string source;
   std::map<std::string, int> key_lines;
+
+  // fp32 elements of one layer's pools (PrefillModule allocates exactly these): conv
+  // (cache_lines, 3P, 3), recurrent (cache_lines, H, head_dim, head_dim).
+  int64_t conv_pool_elems() const { return pools.cache_lines * 3 * model.part_dim() * 3; }
+  int64_t recurrent_pool_elems() const {
+    return pools.cache_lines * model.num_heads * model.head_dim * model.head_dim;
+  }
 };
 
 // Reads and validates a YAML file. Throws kda::Error naming file, line and key path, e.g.

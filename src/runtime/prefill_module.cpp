@@ -242,8 +242,8 @@ PrefillModule::Impl::Impl(const Config& cfg) : config(cfg), validator(cfg) {
   padded_rows = windows_max * B;
   cache_lines = config.pools.cache_lines;
   staging = detail::StagingLayout::for_max_seqs(config.runtime.max_seqs);
-  conv_pool_bytes = static_cast<std::size_t>(cache_lines * 3 * P * 3) * sizeof(float);
-  rec_pool_bytes = static_cast<std::size_t>(cache_lines * H * m.head_dim * m.head_dim) * sizeof(float);
+  conv_pool_bytes = static_cast<std::size_t>(config.conv_pool_elems()) * sizeof(float);
+  rec_pool_bytes = static_cast<std::size_t>(config.recurrent_pool_elems()) * sizeof(float);
 
   KDA_CUDA_CHECK(fn, cudaGetDevice(&device));
 

@@ -121,6 +121,8 @@ TEST_CASE("the shipped configs load with the documented sizes") {
     CHECK(c.runtime.gemm_workspace_bytes == 32ll << 20);
     CHECK(c.pools.cache_lines == 513);
     CHECK(c.pools.null_line == 0);
+    CHECK(c.conv_pool_elems() == 513 * 4608 * 3);
+    CHECK(c.recurrent_pool_elems() == 513ll * 12 * 128 * 128);
     CHECK(c.source == source_path("configs/default.yaml"));
   }
   SUBCASE("Kimi-Linear-48B-A3B at TP 1") {

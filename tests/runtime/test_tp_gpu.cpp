@@ -114,8 +114,6 @@ std::vector<int64_t> rows_that_ran(const HostBatch& b) {
 
 
 
-int64_t conv_pool_elems(const kda::Config& c) { return c.pools.cache_lines * 3 * c.model.part_dim() * 3; }
-int64_t rec_pool_elems(const kda::Config& c) { return c.pools.cache_lines * c.model.num_heads * 128 * 128; }
 
 void poison_output(PrefillModule& m) {
   const kda::Config& c = m.config();
@@ -176,15 +174,15 @@ Reference run_reference(const kda::Config& full, const HostBatch& batch, cudaStr
   KDA_TEST_CUDA(cudaStreamSynchronize(s));
   r.hidden = download<uint16_t>(ref.hidden_states(), T * D);
   for (int l = 0; l < layers; ++l) {
-    r.conv0.push_back(download<float>(ref.conv_state_pool(l), conv_pool_elems(full)));
-    r.rec0.push_back(download<float>(ref.recurrent_state_pool(l), rec_pool_elems(full)));
+    r.conv0.push_back(download<float>(ref.conv_state_pool(l), full.conv_pool_elems()));
+    r.rec0.push_back(download<float>(ref.recurrent_state_pool(l), full.recurrent_pool_elems()));
   }
   ref.run(batch.view(), s);
   KDA_TEST_CUDA(cudaStreamSynchronize(s));
   r.out = download<uint16_t>(ref.output(), T * D);
   for (int l = 0; l < layers; ++l) {
-    r.conv.push_back(download<float>(ref.conv_state_pool(l), conv_pool_elems(full)));
-    r.rec.push_back(download<float>(ref.recurrent_state_pool(l), rec_pool_elems(full)));
+    r.conv.push_back(download<float>(ref.conv_state_pool(l), full.conv_pool_elems()));
+    r.rec.push_back(download<float>(ref.recurrent_state_pool(l), full.recurrent_pool_elems()));
   }
   return r;
 }
@@ -224,11 +222,11 @@ void check_emulated_ranks(const kda::Config& full, const Reference& ref, const H
 
     for (int l = 0; l < layers; ++l) {
       CAPTURE(l);
-      const auto conv = download<float>(m.conv_state_pool(l), conv_pool_elems(cfg));
+      const auto conv = download<float>(m.conv_state_pool(l), cfg.conv_pool_elems());
       const auto conv_want = kda::detail::shard_conv_pool(full.model, ref.conv[l], lines, size, rank);
       REQUIRE(conv.size() == conv_want.size());
       const int64_t conv_bits = diff_bits(conv.data(), conv_want.data(), conv.size() * 4);
-      const auto rec = download<float>(m.recurrent_state_pool(l), rec_pool_elems(cfg));
+      const auto rec = download<float>(m.recurrent_state_pool(l), cfg.recurrent_pool_elems());
       const auto rec_want = kda::detail::shard_recurrent_pool(full.model, ref.rec[l], lines, size, rank);
       REQUIRE(rec.size() == rec_want.size());
       const int64_t rec_bits = diff_bits(rec.data(), rec_want.data(), rec.size() * 4);
@@ -306,8 +304,8 @@ TEST_CASE("a rank of several with neither a communicator nor partial output refu
   KDA_TEST_CUDA(cudaDeviceSynchronize());
   const int64_t out_elems = cfg.runtime.batch_token_capacity() * cfg.model.hidden_size;
   const auto out0 = download<uint16_t>(m.output(), out_elems);
-  const auto conv0 = download<float>(m.conv_state_pool(0), conv_pool_elems(cfg));
-  const auto rec0 = download<float>(m.recurrent_state_pool(0), rec_pool_elems(cfg));
+  const auto conv0 = download<float>(m.conv_state_pool(0), cfg.conv_pool_elems());
+  const auto rec0 = download<float>(m.recurrent_state_pool(0), cfg.recurrent_pool_elems());
   const char* const why = "tensor_parallel.size is 2 (rank 1) with runtime.layer_steps: full, so the ranks' partial "
                           "o_proj outputs must be summed: call set_communicator";
   CHECK_THROWS_WITH_AS(m.begin_forward(batch.view(), s), doctest::Contains(why), kda::Error);
@@ -317,8 +315,8 @@ TEST_CASE("a rank of several with neither a communicator nor partial output refu
   CHECK_THROWS_WITH_AS(m.run_layer(0, s), doctest::Contains("no batch: call begin_forward"), kda::Error);
   KDA_TEST_CUDA(cudaDeviceSynchronize());
   CHECK(diff_bits(download<uint16_t>(m.output(), out_elems).data(), out0.data(), out0.size() * 2) == 0);
-  CHECK(diff_bits(download<float>(m.conv_state_pool(0), conv_pool_elems(cfg)).data(), conv0.data(), conv0.size() * 4) == 0);
-  CHECK(diff_bits(download<float>(m.recurrent_state_pool(0), rec_pool_elems(cfg)).data(), rec0.data(),
+  CHECK(diff_bits(download<float>(m.conv_state_pool(0), cfg.conv_pool_elems()).data(), conv0.data(), conv0.size() * 4) == 0);
+  CHECK(diff_bits(download<float>(m.recurrent_state_pool(0), cfg.recurrent_pool_elems()).data(), rec0.data(),
                   rec0.size() * 4) == 0);
   CHECK(m.stats(s).forwards == 0);
   CHECK(m.stats(s).graphs.empty());
@@ -366,10 +364,10 @@ TEST_CASE("a one-rank communicator all-reduces as an identity, recorded in the g
     const int64_t out_bits = diff_bits(ow.data(), oo.data(), ow.size() * 2);
     int64_t pool_bits = 0;
     for (int l = 0; l < static_cast<int>(cfg.runtime.num_layers); ++l) {
-      const auto cw = download<float>(with.conv_state_pool(l), conv_pool_elems(cfg));
-      const auto co = download<float>(without.conv_state_pool(l), conv_pool_elems(cfg));
-      const auto rw = download<float>(with.recurrent_state_pool(l), rec_pool_elems(cfg));
-      const auto ro = download<float>(without.recurrent_state_pool(l), rec_pool_elems(cfg));
+      const auto cw = download<float>(with.conv_state_pool(l), cfg.conv_pool_elems());
+      const auto co = download<float>(without.conv_state_pool(l), cfg.conv_pool_elems());
+      const auto rw = download<float>(with.recurrent_state_pool(l), cfg.recurrent_pool_elems());
+      const auto ro = download<float>(without.recurrent_state_pool(l), cfg.recurrent_pool_elems());
       pool_bits += diff_bits(cw.data(), co.data(), cw.size() * 4) + diff_bits(rw.data(), ro.data(), rw.size() * 4);
     }
     MESSAGE("with vs without the one-rank communicator: output ", out_bits, " differing bits, pools ", pool_bits);
