@@ -256,9 +256,6 @@ void upload_vec(void* dst, const std::vector<T>& v) {
   cuda_try(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
-
-
-
 // What one module (the TP = 1 one, or a rank) leaves after the compared forward, and its timings.
 struct RunResult {
   std::vector<uint16_t> out;                  // output() rows [0, T), bf16

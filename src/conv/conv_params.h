@@ -60,13 +60,13 @@ struct PackedConvParams {
   // and no program index is ever divided. Chunk programs vary fastest, so the CTAs in flight
   // read a band of columns over many rows; the opposite order (a whole row's column groups
   // next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
-  // (docs/perf-notes.md, conv v3 CTA order).
+  // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
 };
 
-// Grid extents beyond which the launch is refused (CUDA's limits on y and z; x is bounded by
-// int32 in supported()).
+// CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),
+// check_tuning() and the launcher).
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kMaxGridX = 2147483647;
 

@@ -189,7 +189,9 @@ __host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
 // A 16-byte shared-memory load that stays one ld.shared.v4.f32 on the device. For loads at
 // compile-time addresses (the fully unrolled solve of phase 1) nvcc splits a plain float4 load
 // into scalar ld.shared.f32, four instructions instead of one; volatile keeps it ordered with
-// the barriers around it.
+// the barriers around it. It has no "memory" clobber, so the compiler may move ordinary
+// accesses across it: use it only for shared data that no thread writes between the barrier
+// before the read and the next one (the solve's A and rk, complete at "A is complete").
 __host__ __device__ __forceinline__ float4 lds_f4(const float* p) {
 #if defined(__CUDA_ARCH__)
   float4 v;
