@@ -66,7 +66,7 @@ for stage in "${stages[@]}"; do
     bench)
       timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_conv" --out "$OUT/bench_conv.md" > "$OUT/bench.log" 2>&1
       note "bench_conv rc $?"
-      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
+      timeout "${BENCH_TIMEOUT:-300}" "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
       note "bench_module rc $?"
       { timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_gemm"; } >> "$OUT/bench.log" 2>&1
       note "bench_gemm rc $?"
