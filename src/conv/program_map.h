@@ -108,18 +108,24 @@ struct ProgramChunk {
   int64_t seq_end = 0;
 };
 
-KDA_HOST_DEVICE inline ProgramChunk chunk_of_sequence(const int32_t* qsl, int64_t seq,
-                                                      int chunk_shift, int64_t p) {
+// The chunk of program p in sequence seq, whose tokens are [seq_begin, seq_end).
+KDA_HOST_DEVICE inline ProgramChunk chunk_in_bounds(int64_t seq, int32_t seq_begin,
+                                                    int32_t seq_end, int chunk_shift, int64_t p) {
   ProgramChunk pc;
-  if (seq < 0) return pc;
   pc.seq = seq;
-  pc.seq_begin = qsl[seq];
-  pc.seq_end = qsl[seq + 1];
-  pc.chunk = p - first_program(qsl[seq], seq, chunk_shift);
+  pc.seq_begin = seq_begin;
+  pc.seq_end = seq_end;
+  pc.chunk = p - first_program(seq_begin, seq, chunk_shift);
   pc.begin = pc.seq_begin + pc.chunk * (int64_t{1} << chunk_shift);
   const int64_t chunk_end = pc.begin + (int64_t{1} << chunk_shift);
   pc.end = chunk_end < pc.seq_end ? chunk_end : pc.seq_end;
   return pc;
+}
+
+KDA_HOST_DEVICE inline ProgramChunk chunk_of_sequence(const int32_t* qsl, int64_t seq,
+                                                      int chunk_shift, int64_t p) {
+  if (seq < 0) return ProgramChunk{};
+  return chunk_in_bounds(seq, qsl[seq], qsl[seq + 1], chunk_shift, p);
 }
 
 // The scalar map (host and tests). steps and stride as from search_steps / search_stride.
@@ -149,30 +155,20 @@ KDA_HOST_DEVICE inline ProgramChunk locate_program_warp(int64_t num_seqs, int ch
                                                         int steps, int64_t stride, int64_t p,
                                                         int lane, LoadFn&& load,
                                                         BallotFn&& ballot, ShflFn&& shfl) {
-  int64_t base = 0;
   int32_t value = 0;  // this lane's qsl[candidate] at the latest level
-  int n = 0;
-  for (int level = 0; level < steps; ++level) {
-    const int64_t cand = base + lane * stride;
+  int n = 0;          // the latest level's count
+  const int64_t seq = find_sequence(steps, stride, [&](int64_t base, int64_t st) {
+    const int64_t cand = base + lane * st;
     value = cand <= num_seqs ? load(cand) : 0;
     const bool le = cand < num_seqs && first_program(value, cand, chunk_shift) <= p;
     n = popcount32(ballot(le));
-    // As find_sequence: past level 0, candidate 0 is the previous answer, so n >= 1 there.
-    if (n == 0) return ProgramChunk{};
-    base += static_cast<int64_t>(n - 1) * stride;
-    stride >>= kRadixShift;
-  }
-  ProgramChunk pc;
-  pc.seq = base;
+    return n;
+  });
+  if (seq < 0) return ProgramChunk{};
+  // The last level has stride 1 and answered seq = (its base) + n - 1.
   const int32_t seq_begin = shfl(value, n - 1);
   const int32_t next = shfl(value, n < kRadix ? n : 0);
-  pc.seq_begin = seq_begin;
-  pc.seq_end = n < kRadix ? next : load(base + 1);
-  pc.chunk = p - first_program(seq_begin, base, chunk_shift);
-  pc.begin = pc.seq_begin + pc.chunk * (int64_t{1} << chunk_shift);
-  const int64_t chunk_end = pc.begin + (int64_t{1} << chunk_shift);
-  pc.end = chunk_end < pc.seq_end ? chunk_end : pc.seq_end;
-  return pc;
+  return chunk_in_bounds(seq, seq_begin, n < kRadix ? next : load(seq + 1), chunk_shift, p);
 }
 
 }  // namespace kda::conv
