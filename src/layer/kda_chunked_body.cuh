@@ -54,6 +54,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -149,6 +150,67 @@ ChunkedParams make_chunked_params(const PrepRecurrenceArgs& args, void* workspac
 __host__ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 __host__ __device__ __forceinline__ float softplus_f(float x) {
   return x > 20.0f ? x : log1pf(expf(x));
+}
+
+// The hardware's approximate 2^x, log2 x and 1 / x (MUFU.EX2 / LG2 / RCP; ex2 relative error
+// < 2^-22, lg2 absolute error < 2^-22.6 on [0.5, 2], rcp < 1 ulp; .ftz: subnormal inputs and
+// results are zero). The host side (the CPU emulation) stands in with libm and the same
+// flushing. IEEE exp2f is the same EX2 plus a rescaling for subnormal results, expf and
+// log1pf are ~10 and ~25 instructions: phase 1 evaluates ~40 k of these per block, which made
+// up a third of its instructions (Nsight Compute, issue 5's perf notes).
+__host__ __device__ __forceinline__ float flush_subnormal(float x) {
+  return std::fabs(x) < FLT_MIN ? 0.0f * x : x;
+}
+__host__ __device__ __forceinline__ float ex2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return flush_subnormal(exp2f(flush_subnormal(x)));
+#endif
+}
+__host__ __device__ __forceinline__ float lg2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return log2f(flush_subnormal(x));
+#endif
+}
+__host__ __device__ __forceinline__ float rcp_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+#else
+  return flush_subnormal(1.0f / flush_subnormal(x));
+#endif
+}
+
+// 2^x for the x <= 0 of phase 1 (differences of the non-increasing G, and G itself): results
+// in [0, 1]; those below 2^-126 (flushed to zero) weigh nothing in any sum they enter.
+__host__ __device__ __forceinline__ float exp2_nonpos(float x) { return ex2_approx(x); }
+
+// softplus and sigmoid of the per-channel decay, in a few hardware instructions, to ~2e-6
+// relative (the gates enter only through 2^(G_i - G_j), so an error e in one gate moves a
+// factor by e |g| ln 2 relative; the IEEE forms above cost ~35 instructions per element).
+// softplus(x) = max(x, 0) + log1p(y), y = e^-|x| in (0, 1]: log1p(y) by its series for
+// y <= 1/16 (truncated after y^5: relative error < y^5 / 6 < 2e-7), else ln 2 log2(1 + y),
+// where log2(1 + y) >= 0.087 keeps lg2's absolute error under 2e-6 relative. For x > 20 the
+// result rounds to x, as the spec's threshold gives.
+__host__ __device__ __forceinline__ float softplus_fast(float x) {
+  constexpr float kLn2 = 0.69314718055994531f;
+  const float y = ex2_approx(-std::fabs(x) * kLog2e);
+  const float series =
+      y * fmaf(y, fmaf(y, fmaf(y, fmaf(y, 0.2f, -0.25f), 1.0f / 3.0f), -0.5f), 1.0f);
+  const float viaLog = kLn2 * lg2_approx(1.0f + y);
+  return fmaxf(x, 0.0f) + (y <= 0.0625f ? series : viaLog);
+}
+// 1 / (1 + e^-x): e^-x may overflow to inf, whose reciprocal is the correct limit 0.
+__host__ __device__ __forceinline__ float sigmoid_fast(float x) {
+  return rcp_approx(1.0f + ex2_approx(-x * kLog2e));
 }
 
 __host__ __device__ __forceinline__ float bf16_low(uint32_t word) {
@@ -268,6 +330,7 @@ struct PrepTraits {
   static constexpr int kTmpRows = std::max(2 * kSub + kChunk - kSub, kSubBlocks * kQuadRows);
   // Direct pairs (i >= j) of the 8 x 8 diagonal triangles, 8 lanes (16 channels each) per pair.
   static constexpr int kTriPairs = kHalf * (kHalf + 1) / 2;            // 36
+  static_assert(kHalf == 8, "triangle_row knows the 8 x 8 triangle");
   static constexpr int kDiagItems = 2 * kSubBlocks * kTriPairs * 8;    // 2304
   static_assert(kThreads == 4 * kChunk, "the load step gives each token row 4 threads");
   static_assert(kThreads == 2 * kHeadDim, "the solve gives each of the 2 x 128 columns a thread");
@@ -320,6 +383,20 @@ __host__ __device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
                     pack_bf16(v[6], v[7]));
 }
 
+// The row il of entry l (< 36) of the 8 x 8 lower triangle stored row by row (l = il (il + 1)
+// / 2 + jl, jl <= il): the number of the triangular numbers 1, 3, ..., 28 that are <= l.
+// Branch-free, a few integer instructions (a search loop here cost up to 8 iterations per item).
+__host__ __device__ __forceinline__ int triangle_row(int l) {
+  constexpr uint64_t kTriangular = (1ull << 1) | (1ull << 3) | (1ull << 6) | (1ull << 10) |
+                                   (1ull << 15) | (1ull << 21) | (1ull << 28);
+  const uint64_t upto = kTriangular & ((2ull << l) - 1);
+#if defined(__CUDA_ARCH__)
+  return __popcll(upto);
+#else
+  return __builtin_popcountll(upto);
+#endif
+}
+
 // The scaled bf16 operand rows of a split at reference token r, channels [8 ch, 8 ch + 8):
 // for a row i > r, KE_i = k_i / ||k_i|| 2^(G_i - G_r) to ke and QE_i (q_i's scale) to qe; for
 // a row j <= r, KF_j = k_j / ||k_j|| 2^(G_r - G_j) to ke (qe unused). Both exponents are <= 0.
@@ -334,7 +411,7 @@ __host__ __device__ __forceinline__ void scaled_rows(const PrepSmem& sm, int row
   float f[8];
 KDA_UNROLL
   for (int e = 0; e < 8; ++e) {
-    f[e] = exp2f(below ? gi[e] - gr[e] : gr[e] - gi[e]);
+    f[e] = exp2_nonpos(below ? gi[e] - gr[e] : gr[e] - gi[e]);
     kv[e] = kv[e] * kr * f[e];  // (k / ||k||) 2^(..), as before the vectorisation
   }
   st_as<uint4>(ke + 8 * ch, pack_bf16x8(kv));
@@ -482,8 +559,8 @@ KDA_UNROLL
           ssq = fmaf(qv[e], qv[e], ssq);
           ssk = fmaf(kv[e], kv[e], ssk);
           const float x = gv[e] + p.dt_bias[col + j + e];
-          const float gate = kLowerBound ? p.lower_bound * sigmoid_f(a_exp * x)
-                                         : -a_exp * softplus_f(x);
+          const float gate = kLowerBound ? p.lower_bound * sigmoid_fast(a_exp * x)
+                                         : -a_exp * softplus_fast(x);
           gl[e] = fmaxf(gate, kMinLogDecay) * kLog2e;
         }
         st_as<float4>(&sm.G[row][g_col(c0 + j)], make_float4(gl[0], gl[1], gl[2], gl[3]));
@@ -549,8 +626,8 @@ KDA_UNROLL
       const float qs = sm.rq[i], ks = sm.beta[i] * sm.rk[i];
 KDA_UNROLL
       for (int c = 0; c < 8; ++c) {
-        qv[c] = qv[c] * qs * exp2f(gv[c]);
-        kb[h][c] = tf32_round(kv[c] * ks * exp2f(gl[c] - gv[c]));
+        qv[c] = qv[c] * qs * exp2_nonpos(gv[c]);
+        kb[h][c] = tf32_round(kv[c] * ks * exp2_nonpos(gl[c] - gv[c]));
       }
       st_as<uint4>(rec_qt + i * kHeadDim + 8 * ch, pack_bf16x8(qv));
     }
@@ -559,7 +636,7 @@ KDA_UNROLL
     for (int c = 0; c < 8; c += 2)
       st_as<float4>(kb_at + 2 * c, make_float4(kb[0][c], kb[1][c], kb[0][c + 1], kb[1][c + 1]));
   }
-  if (tid < kHeadDim) rec_gamma[tid] = exp2f(sm.G[kChunk - 1][g_col(tid)]);
+  if (tid < kHeadDim) rec_gamma[tid] = exp2_nonpos(sm.G[kChunk - 1][g_col(tid)]);
 
   // Step 3b: the 16 x 16 diagonal sub-blocks of A and M', each split at its middle token as
   // well (reference r = 16b + 7): the lower-left 8 x 8 quadrant is one m16n8 product of
@@ -587,8 +664,7 @@ KDA_UNROLL_1
   for (int item = tid; item < T::kDiagItems; item += T::kThreads) {
     const int pair = item >> 3, cg = item & 7;
     const int tri = pair / T::kTriPairs, l = pair % T::kTriPairs;
-    int il = 0;
-    while ((il + 1) * (il + 2) / 2 <= l) ++il;
+    const int il = triangle_row(l);
     const int jl = l - il * (il + 1) / 2;
     const int i = T::kHalf * tri + il, j = T::kHalf * tri + jl;
     float a = 0.0f, m = 0.0f;
@@ -603,7 +679,7 @@ KDA_UNROLL
       load_g8(sm.G[j], ch, gj);
 KDA_UNROLL
       for (int c = 0; c < 8; ++c) {
-        const float f = kj[c] * exp2f(gi[c] - gj[c]);
+        const float f = kj[c] * exp2_nonpos(gi[c] - gj[c]);
         a = fmaf(ki[c], f, a);
         m = fmaf(qi[c], f, m);
       }

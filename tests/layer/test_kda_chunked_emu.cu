@@ -609,6 +609,41 @@ Worst compare_runs(const HostBatchData& before, const HostBatchData& a, const Ho
 
 }  // namespace
 
+TEST_CASE("phase 1's short scalar forms follow float64 and the triangle map is the row-major one") {
+  // The host stand-ins compute ex2 / lg2 / rcp with libm, so this checks the formulas
+  // (softplus's series and branch, the flushing) and not the GPU's MUFU error, which the GPU
+  // test's comparison with float64 covers. The measure is the error relative to max(1, value):
+  // a gate enters the recurrence as a decay factor e^(c g), whose relative error is the
+  // absolute error of c g (c = exp(A_log) for softplus, |lower_bound| for sigmoid). Relative
+  // to tiny values the error is larger (e^x through 2^(x log2 e) carries the rounding of
+  // x log2 e: ~3.5e-6 relative at |x| = 80), which moves no factor measurably.
+  double worst_softplus = 0.0, worst_sigmoid = 0.0;
+  for (int n = -800000; n <= 800000; ++n) {
+    const float x = static_cast<float>(n) * 1e-4f;  // [-80, 80] in steps of 1e-4
+    const double xd = x;
+    const double sp = xd > 20.0 ? xd : std::log1p(std::exp(xd));
+    const double sg = 1.0 / (1.0 + std::exp(-xd));
+    const double got_sp = kda::chunked::softplus_fast(x);
+    const double got_sg = kda::chunked::sigmoid_fast(x);
+      worst_softplus = std::max(worst_softplus, std::fabs(got_sp - sp) / std::max(1.0, sp));
+    worst_sigmoid = std::max(worst_sigmoid, std::fabs(got_sg - sg));
+  }
+  MESSAGE("worst error relative to max(1, value): softplus_fast ", worst_softplus, ", sigmoid_fast ", worst_sigmoid);
+  CHECK(worst_softplus < 5e-7);
+  CHECK(worst_sigmoid < 5e-7);
+  CHECK(kda::chunked::softplus_fast(30.0f) == 30.0f);
+  CHECK(kda::chunked::sigmoid_fast(-200.0f) == 0.0f);
+  CHECK(kda::chunked::sigmoid_fast(200.0f) == 1.0f);
+  CHECK(kda::chunked::exp2_nonpos(-130.0f) == 0.0f);  // subnormal results flush
+  CHECK(kda::chunked::exp2_nonpos(0.0f) == 1.0f);
+  int l = 0;
+  for (int il = 0; il < 8; ++il)
+    for (int jl = 0; jl <= il; ++jl, ++l) {
+      CAPTURE(l);
+      CHECK(kda::chunked::triangle_row(l) == il);
+    }
+}
+
 TEST_CASE("the emulated chunked kernels match the float64 reference on a varlen batch") {
   // Lengths around the chunk (64) and sub-block (16) edges, an empty sequence, a sequence on
   // the null line; initial states present and absent. Phase 1 runs once; each phase-2 kernel
