@@ -38,12 +38,12 @@ constexpr double kPeakTflops = 790.0;  // H200 bf16 dense, measured
 constexpr double kPeakTBps = 4.3;      // H200 device copy, measured
 // Tensor-core work of the chunked kernel per (chunk, head), in bf16 m16n8k16 equivalents (4096
 // flop): phase 1 runs 6 off-diagonal 16 x 16 blocks x 32 mma; phase 2 8 warps x (64 U + 64 + 20
-// O bf16 mma + 128 tf32 m16n8k8 for the state update, 2048 flop each = 64 equivalents), the
+// O bf16 mma + 64 fp16 m16n8k16 for the state update), the
 // same for every state kernel (KSplit deals each 16 value rows' mma to two warps).
 constexpr double kMmaFlop = 2.0 * 16 * 8 * 16;
 constexpr double kPrepMmaPerChunk = 6 * 32;
 constexpr double kStateMmaPerChunk = 8 * 212;
-constexpr int64_t kRecordBytes = 107008;  // workspace record per (chunk slot, head)
+constexpr int64_t kRecordBytes = 90624;  // workspace record per (chunk slot, head)
 
 void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
@@ -267,9 +267,9 @@ int main(int argc, char** argv) {
       }
     }
     table << "\nTensor work is the flop of the issued mma.sync (bf16 m16n8k16 and, for the state "
-             "update, tf32 m16n8k8): 0.79 Mflop in phase 1 and 6.9 Mflop in phase 2 per (64-token "
-             "chunk, head); the bf16 ceiling is quoted (tf32 runs at half of it). DRAM bytes are "
-             "compulsory traffic: planes, b, states, o, and the 107008-byte chunk records written "
+             "update, fp16 m16n8k16): 0.79 Mflop in phase 1 and 6.9 Mflop in phase 2 per (64-token "
+             "chunk, head); the bf16 ceiling is quoted. DRAM bytes are "
+             "compulsory traffic: planes, b, states, o, and the 90624-byte chunk records written "
              "by phase 1 and read once by phase 2 (the 4 value slices of a head re-read the shared "
              "tiles from L2).\n";
     std::fputs(table.str().c_str(), stdout);

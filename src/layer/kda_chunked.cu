@@ -3,12 +3,12 @@
 // operations to the hardware (DeviceOps), defines the two kernels and the host launcher.
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 109 KB of shared memory (two blocks
-// per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 203 KB of
+// per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 171 KB of
 // shared memory (KSplit: double-buffered chunk records and the exchange of partials) or 64
-// threads and 171 KB (Unsplit, Original). Both grids depend on capacities only (CUDA graph
+// threads and 139 KB (Unsplit, Original). Both grids depend on capacities only (CUDA graph
 // safe).
-// Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 and m16n8k8 tf32, ldmatrix,
-// cp.async, cvt.rna.tf32, named barriers), identical in the sm_90a SASS and the compute_90
+// Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 / fp16, ldmatrix (.trans),
+// cp.async, named barriers), identical in the sm_90a SASS and the compute_90
 // PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -76,6 +76,22 @@ struct DeviceOps {
                                       uint32_t b1) const {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // ldmatrix x4 .trans: lanes 8m..8m+7 give the row addresses of 8 x 8 matrix m; r[m]
+  // receives (rows 2t, 2t + 1; column g) of it, row 2t in the low half.
+  __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+  // d += a b (m16n8k16, fp16 in, fp32 accumulate).
+  __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -9,8 +9,8 @@
 //      (I + A) [W | Uv] = [k * exp(Gam) | v], and the products that need no state. It writes one
 //      record per (chunk slot, head) to the workspace.
 //   2. state, one block per (sequence, head, 32-column value slice): carries the state across
-//      the sequence's chunks in registers (fp32), O on bf16 and the state update on tf32
-//      tensor cores; by default one warp per 16 value rows and all 128 key channels
+//      the sequence's chunks in registers (fp32), O on bf16 and the state update on fp16
+//      tensor cores (rows of U scaled into fp16's range); by default one warp per 16 value rows and all 128 key channels
 //      (Unsplit; the other forms in KdaStateKernel).
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands): about 3e-3 relative Frobenius error on o (its own bf16 rounding is
@@ -34,7 +34,7 @@ namespace kda {
 constexpr int64_t kKdaChunk = 64;
 
 // Bytes of workspace kda_chunked needs for these capacities:
-// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 107008 bytes. Reads no device
+// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 90624 bytes. Reads no device
 // memory.
 // 0 when num_tokens or max_seqs is 0 (nothing to do).
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& args);

@@ -31,11 +31,14 @@
 // cp.async. In transposed form every A operand (S^T and U^T) comes from registers (an m16n8
 // accumulator pair is an m16k16 A fragment) and every B operand is a record tile in shared
 // memory. U and O are bf16 products (B tiles read with ldmatrix); the state update, whose
-// operands set the precision of the carried state, is a tf32 product (m16n8k8, B read as
-// 8-byte pairs), which keeps the final state's error near 3e-4 instead of 3e-3.
+// operands set the precision of the carried state, is an fp16 product with each row of U^T
+// scaled by a power of two into fp16's range (update_state_f16; Kb' is stored in fp16, B
+// tiles read with ldmatrix .trans), which keeps the final state's error near 3e-4 instead of
+// the 3e-3 of bf16 operands.
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
-// barriers, shuffles, the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps
+// barriers, shuffles, the radix search, ldmatrix (.trans), mma in bf16, fp16 and tf32,
+// cp.async); DeviceOps
 // in kda_chunked.cu maps them to the hardware instructions. Fragment layouts (PTX ISA,
 // "Matrix Fragments for mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and
 // t = lane % 4:
@@ -44,13 +47,15 @@
 //   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
 //   C/D (16 x 8, fp32), 4 regs: c0, c1 (g, 2t, 2t+1), c2, c3 (g+8, 2t, 2t+1)
 // The lower-index element of a pair sits in the low 16 bits. ldmatrix x4: lanes 8m..8m+7
-// give the row addresses of 8 x 8 matrix m; r[m] receives (row g, columns 2t, 2t+1) of it.
+// give the row addresses of 8 x 8 matrix m; r[m] receives (row g, columns 2t, 2t+1) of it,
+// with .trans (rows 2t, 2t+1; column g). fp16 fragments are laid out as the bf16 ones.
 // mma.sync m16n8k8 tf32 (one fp32 word per element):
 //   A (16 x 8): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
 //   B (8 x 8, k x n): b0 (k t, n g), b1 (k t+4, n g);  C/D as above.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -100,15 +105,16 @@ constexpr float kMinLogDecay = -128.0f;
 struct Record {
   static constexpr int kW = 0;                                 // bf16 [i][c]   64 x 128
   static constexpr int kQt = kW + kChunk * kHeadDim * 2;       // bf16 [i][c]   64 x 128
-  static constexpr int kKb = kQt + kChunk * kHeadDim * 2;      // tf32 [j/2][c][j%2] 64 x 128
-  static constexpr int kMp = kKb + kChunk * kHeadDim * 4;      // bf16 [i][j]   64 x 64
+  static constexpr int kKb = kQt + kChunk * kHeadDim * 2;      // fp16 [j][c]   64 x 128
+  static constexpr int kMp = kKb + kChunk * kHeadDim * 2;      // bf16 [i][j]   64 x 64
   static constexpr int kUvT = kMp + kChunk * kChunk * 2;       // fp32 [v][i]  128 x 64
   static constexpr int kGamma = kUvT + kHeadDim * kChunk * 4;  // fp32 [c]     128
   static constexpr int kBytes = kGamma + kHeadDim * 4;
-  static_assert(kBytes == 107008 && kBytes % 16 == 0, "record layout changed");
-  // Kb' keeps tokens 2p and 2p + 1 of a channel next to each other (a tf32 B fragment's two
-  // registers), so element (j, c) is at float (j / 2) * 256 + 2 c + j % 2.
-  static constexpr int kKbPairFloats = 2 * kHeadDim;
+  static_assert(kBytes == 90624 && kBytes % 16 == 0, "record layout changed");
+  // W, Qt and Kb' are three consecutive 64 x 128 tiles of 16-bit elements (phase 2 copies
+  // them as one 192-row block).
+  static_assert(kKb == kQt + kChunk * kHeadDim * 2 && kQt == kW + kChunk * kHeadDim * 2,
+                "W, Qt, Kb' adjacent");
 };
 
 // Kernel-facing copy of PrepRecurrenceArgs plus the derived launch facts.
@@ -272,6 +278,12 @@ __host__ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   memcpy(&word, &v, 4);
   return word;
 }
+__host__ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);  // .x = lo, the low half
+  uint32_t word;
+  memcpy(&word, &v, 4);
+  return word;
+}
 
 // Rounds to tf32 (10 explicit mantissa bits, to nearest, ties away from zero: cvt.rna) and
 // returns the fp32 bit pattern, low 13 bits zero, as the tf32 mma operand.
@@ -381,6 +393,10 @@ __host__ __device__ __forceinline__ void load_g8(const float* grow, int ch, floa
 __host__ __device__ __forceinline__ uint4 pack_bf16x8(const float (&v)[8]) {
   return make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
                     pack_bf16(v[6], v[7]));
+}
+__host__ __device__ __forceinline__ uint4 pack_f16x8(const float (&v)[8]) {
+  return make_uint4(pack_f16(v[0], v[1]), pack_f16(v[2], v[3]), pack_f16(v[4], v[5]),
+                    pack_f16(v[6], v[7]));
 }
 
 // The row il of entry l (< 36) of the 8 x 8 lower triangle stored row by row (l = il (il + 1)
@@ -523,7 +539,7 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParam
   unsigned char* rec = record_of(p, slot, head);
   __nv_bfloat16* rec_w = reinterpret_cast<__nv_bfloat16*>(rec + Record::kW);
   __nv_bfloat16* rec_qt = reinterpret_cast<__nv_bfloat16*>(rec + Record::kQt);
-  float* rec_kb = reinterpret_cast<float*>(rec + Record::kKb);
+  __half* rec_kb = reinterpret_cast<__half*>(rec + Record::kKb);
   __nv_bfloat16* rec_mp = reinterpret_cast<__nv_bfloat16*>(rec + Record::kMp);
   float* rec_uvt = reinterpret_cast<float*>(rec + Record::kUvT);
   float* rec_gamma = reinterpret_cast<float*>(rec + Record::kGamma);
@@ -609,13 +625,13 @@ KDA_UNROLL
   // Also orders step 1's zero fill of M' before the entries written below.
   ops.sync();
 
-  // Step 3a: Qt, Kb' and gamma. Item = (token pair 2 tp, 2 tp + 1; 8-channel chunk): the 16
-  // Kb' floats of a chunk and token pair are contiguous in the record (four 16-byte stores).
+  // Step 3a: Qt (bf16) and Kb' (fp16: |Kb'| <= 1, where fp16 carries 3 more bits than bf16;
+  // entries under 2^-14 lose bits and weigh nothing beside the others), and gamma. Item =
+  // (token pair 2 tp, 2 tp + 1; 8-channel chunk), one 16-byte store per row and tile.
   for (int e = tid; e < kChunk / 2 * T::kChunks8; e += T::kThreads) {
     const int tp = e / T::kChunks8, ch = e % T::kChunks8;
     float gl[8];
     load_g8(sm.G[kChunk - 1], ch, gl);
-    float kb[2][8];
 KDA_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int i = 2 * tp + h;
@@ -627,14 +643,11 @@ KDA_UNROLL
 KDA_UNROLL
       for (int c = 0; c < 8; ++c) {
         qv[c] = qv[c] * qs * exp2_nonpos(gv[c]);
-        kb[h][c] = tf32_round(kv[c] * ks * exp2_nonpos(gl[c] - gv[c]));
+        kv[c] = kv[c] * ks * exp2_nonpos(gl[c] - gv[c]);
       }
       st_as<uint4>(rec_qt + i * kHeadDim + 8 * ch, pack_bf16x8(qv));
+      st_as<uint4>(rec_kb + i * kHeadDim + 8 * ch, pack_f16x8(kv));
     }
-    float* kb_at = rec_kb + tp * Record::kKbPairFloats + 16 * ch;
-KDA_UNROLL
-    for (int c = 0; c < 8; c += 2)
-      st_as<float4>(kb_at + 2 * c, make_float4(kb[0][c], kb[1][c], kb[0][c + 1], kb[1][c + 1]));
   }
   if (tid < kHeadDim) rec_gamma[tid] = exp2_nonpos(sm.G[kChunk - 1][g_col(tid)]);
 
@@ -769,18 +782,15 @@ struct StateTraits {
   static constexpr int kRowsPerWarp = 16;                 // value rows of S^T per warp (m16)
   static constexpr int kColumns = kWarps * kRowsPerWarp;  // value columns per block
   static constexpr int kSlices = kHeadDim / kColumns;     // blocks per (sequence, head)
-  // Shared-memory stage: record tiles with padded rows (272 B / 1056 B / 144 B / 288 B: the 8
-  // rows of every ldmatrix, the 8-byte Kb' pair reads of a half-warp and the float2 reads of
-  // UvT fall in distinct banks).
-  static constexpr int kPitchTile = (kHeadDim + 8) * 2;                   // bytes per W / Qt row
-  static constexpr int kPitchKbFloats = Record::kKbPairFloats + 8;        // floats per Kb' pair row
-  static constexpr int kPitchKb = kPitchKbFloats * 4;
+  // Shared-memory stage: record tiles with padded rows (272 B / 144 B / 288 B: the 8 rows of
+  // every ldmatrix and the float2 reads of UvT fall in distinct banks).
+  static constexpr int kPitchTile = (kHeadDim + 8) * 2;                   // bytes per W / Qt / Kb' row
   static constexpr int kPitchMp = (kChunk + 8) * 2;                       // bytes per M' row
   static constexpr int kPitchUv = (kChunk + 8) * 4;                       // bytes per UvT row
   static constexpr int kW = 0;
   static constexpr int kQt = kW + kChunk * kPitchTile;
   static constexpr int kKb = kQt + kChunk * kPitchTile;
-  static constexpr int kMp = kKb + kChunk / 2 * kPitchKb;
+  static constexpr int kMp = kKb + kChunk * kPitchTile;
   static constexpr int kUvT = kMp + kChunk * kPitchMp;
   static constexpr int kGamma = kUvT + kColumns * kPitchUv;
   static constexpr int kStageBytes = kGamma + kHeadDim * 4;
@@ -788,6 +798,97 @@ struct StateTraits {
   static_assert(kStageBytes % 16 == 0 && kSmemBytes <= 227 * 1024, "stage layout");
   static_assert(kHeadDim % kColumns == 0, "value slices must tile the head");
 };
+
+// 2^k, k = clamp(14 - floor(log2 m), -100, 40), for m >= 0: m 2^k lies in [2^14, 2^15), under
+// fp16's largest finite 65504, for every m in [2^-26, 2^114]; 2^k and 2^-k are normal floats,
+// so scaling by them is exact. NaN / inf give 2^-100 (and stay NaN / inf).
+__host__ __device__ __forceinline__ int fp16_scale_exponent(float m) {
+  uint32_t bits;
+  memcpy(&bits, &m, 4);
+  const int biased = static_cast<int>((bits >> 23) & 0xFFu);
+  return std::min(40, std::max(-100, 141 - biased));  // 14 - (biased - 127)
+}
+__host__ __device__ __forceinline__ float pow2f(int k) {
+  const uint32_t bits = static_cast<uint32_t>(k + 127) << 23;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One warp's S^T = S0^T diag(gamma) + U^T Kb' (value rows v0 + g, v0 + g + 8; kKeyTiles
+// 8-channel tiles from the channel that `gamma` and `kb_addr` start at), on fp16 tensor cores.
+// The state update's operands set the carried state's accuracy (bf16 ones made its error
+// about 8 times larger); fp16 carries tf32's 11 significant bits at twice tf32's mma rate and
+// half its operand bytes, but only over [2^-14, 65504]. Kb' is within [-1, 1] (phase 1 stores
+// it in fp16). U is not bounded, so each value row of U^T is scaled by a power of two 2^k_row
+// (fp16_scale_exponent of the row's largest |U|) before rounding to fp16, and the row of the
+// accumulator with it: acc = S0^T diag(gamma) 2^k, acc += (2^k U^T) Kb', S^T = acc 2^-k. Power-
+// of-two scalings are exact, so the result is the product of the fp16-rounded operands summed
+// in fp32, whatever the scale. ua[s] holds U^T (negated: -U^T) at tokens 8 s + (2t, 2t + 1) as
+// an m16n8 accumulator; an accumulator pair is an m16k16 A fragment. Kb' is [token][channel]
+// in the stage (pitch StateTraits::kPitchTile), read with ldmatrix .trans as [k][n] B tiles.
+KDA_OPS_BODY
+template <int kKeyTiles, bool kNegated, class Ops>
+__host__ __device__ __forceinline__ void update_state_f16(Ops& ops, float (&st)[kKeyTiles][4],
+                                                          const float (&ua)[kChunk / 8][4],
+                                                          const float* gamma, uint32_t kb_addr,
+                                                          int lane) {
+  static_assert(kKeyTiles % 2 == 0, "key tiles in pairs (one ldmatrix x4 each)");
+  const int t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  // The largest |U| of rows g and g + 8, over the 4 lanes of a row (lanes 4g .. 4g + 3).
+  float mlo = 0.0f, mhi = 0.0f;
+KDA_UNROLL
+  for (int s = 0; s < kChunk / 8; ++s) {
+    mlo = fmaxf(mlo, fmaxf(fabsf(ua[s][0]), fabsf(ua[s][1])));
+    mhi = fmaxf(mhi, fmaxf(fabsf(ua[s][2]), fabsf(ua[s][3])));
+  }
+  mlo = fmaxf(mlo, ops.shfl_xor(mlo, 1));
+  mhi = fmaxf(mhi, ops.shfl_xor(mhi, 1));
+  mlo = fmaxf(mlo, ops.shfl_xor(mlo, 2));
+  mhi = fmaxf(mhi, ops.shfl_xor(mhi, 2));
+  const int klo = fp16_scale_exponent(mlo), khi = fp16_scale_exponent(mhi);
+  const float sign = kNegated ? -1.0f : 1.0f;
+  const float slo = sign * pow2f(klo), shi = sign * pow2f(khi);
+  // 2^k U^T as fp16 A fragments: k-step kq covers tokens [16 kq, 16 kq + 16).
+  uint32_t uh[kChunk / 16][4];
+KDA_UNROLL
+  for (int kq = 0; kq < kChunk / 16; ++kq) {
+    uh[kq][0] = pack_f16(ua[2 * kq][0] * slo, ua[2 * kq][1] * slo);
+    uh[kq][1] = pack_f16(ua[2 * kq][2] * shi, ua[2 * kq][3] * shi);
+    uh[kq][2] = pack_f16(ua[2 * kq + 1][0] * slo, ua[2 * kq + 1][1] * slo);
+    uh[kq][3] = pack_f16(ua[2 * kq + 1][2] * shi, ua[2 * kq + 1][3] * shi);
+  }
+  const float plo = pow2f(klo), phi = pow2f(khi);
+KDA_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+    const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
+    st[nt][0] *= gm0 * plo;
+    st[nt][1] *= gm1 * plo;
+    st[nt][2] *= gm0 * phi;
+    st[nt][3] *= gm1 * phi;
+  }
+  // ldmatrix .trans of [token][channel] 8 x 8 blocks: matrix m covers tokens 8 (m & 1).. and
+  // channels 8 (m >> 1)..: r[0], r[1] are b0, b1 of key tile 2 np, r[2], r[3] those of 2 np + 1.
+  const uint32_t off = (r8 + 8 * (m & 1)) * StateTraits::kPitchTile + (m >> 1) * 16;
+KDA_UNROLL
+  for (int kq = 0; kq < kChunk / 16; ++kq) {
+KDA_UNROLL
+    for (int np = 0; np < kKeyTiles / 2; ++np) {
+      uint32_t b[4];
+      ops.ldsm_x4_trans(b, kb_addr + off + kq * 16 * StateTraits::kPitchTile + np * 32);
+      ops.mma_f16(st[2 * np], uh[kq], b[0], b[1]);
+      ops.mma_f16(st[2 * np + 1], uh[kq], b[2], b[3]);
+    }
+  }
+  const float rlo = pow2f(-klo), rhi = pow2f(-khi);
+KDA_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+    st[nt][0] *= rlo;
+    st[nt][1] *= rlo;
+    st[nt][2] *= rhi;
+    st[nt][3] *= rhi;
+  }
+}
 
 // Copies this block's part of chunk record `rec` into the stage at shared address `stage`.
 KDA_OPS_BODY
@@ -797,17 +898,11 @@ __host__ __device__ __forceinline__ void load_stage(Ops& ops, uint32_t stage,
                                                     int tid) {
   using T = StateTraits;
   constexpr int kTileChunks = kHeadDim * 2 / 16;  // 16-byte pieces per 128-channel bf16 row
-  for (int e = tid; e < 2 * kChunk * kTileChunks; e += T::kThreads) {
-    const int tile = e / (kChunk * kTileChunks);  // 0: W, 1: Qt (consecutive in both)
+  for (int e = tid; e < 3 * kChunk * kTileChunks; e += T::kThreads) {
+    const int tile = e / (kChunk * kTileChunks);  // 0: W, 1: Qt, 2: Kb' (consecutive in both)
     const int row = (e / kTileChunks) % kChunk, piece = e % kTileChunks;
     ops.cp16(stage + T::kW + tile * kChunk * T::kPitchTile + row * T::kPitchTile + piece * 16,
              rec + Record::kW + tile * kChunk * kHeadDim * 2 + row * kHeadDim * 2 + piece * 16);
-  }
-  constexpr int kKbChunks = Record::kKbPairFloats * 4 / 16;
-  for (int e = tid; e < kChunk / 2 * kKbChunks; e += T::kThreads) {
-    const int row = e / kKbChunks, piece = e % kKbChunks;
-    ops.cp16(stage + T::kKb + row * T::kPitchKb + piece * 16,
-             rec + Record::kKb + row * Record::kKbPairFloats * 4 + piece * 16);
   }
   constexpr int kMpChunks = kChunk * 2 / 16;
   for (int e = tid; e < kChunk * kMpChunks; e += T::kThreads) {
@@ -934,34 +1029,8 @@ KDA_UNROLL
       uf[ks][3] = pack_bf16(-ua[2 * ks + 1][2], -ua[2 * ks + 1][3]);
     }
 
-    // S^T = S0^T diag(gamma) + U^T Kb', in tf32: the carried state's accuracy is set by this
-    // product's operands (bf16 U and Kb' make it about 8 times larger). k-step s covers
-    // tokens [8 s, 8 s + 8). A product does not depend on the order of its k index, so the
-    // fragments' k = t and k = t + 4 stand for tokens 8 s + 2t and 8 s + 2t + 1, which is
-    // where the U^T accumulator ua[s] already holds them: a0 (row g, k t) = ua[s][0],
-    // a1 (row g+8, k t) = ua[s][2], a2 (row g, k t+4) = ua[s][1], a3 = ua[s][3]; and
-    // b0 (k t, n g), b1 (k t+4, n g) are Kb' at tokens 8 s + 2t, 8 s + 2t + 1 and channel
-    // 8 nt + g, one 8-byte pair of the stage's pair rows.
-KDA_UNROLL
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
-      st[nt][0] *= gm0;
-      st[nt][1] *= gm1;
-      st[nt][2] *= gm0;
-      st[nt][3] *= gm1;
-    }
-    const float* kb = reinterpret_cast<const float*>(stage_ptr + T::kKb);
-KDA_UNROLL
-    for (int ks = 0; ks < kChunk / 8; ++ks) {
-      const uint32_t a[4] = {tf32_bits(-ua[ks][0]), tf32_bits(-ua[ks][2]), tf32_bits(-ua[ks][1]),
-                             tf32_bits(-ua[ks][3])};
-      const float* pair_row = kb + (4 * ks + t) * T::kPitchKbFloats + 2 * g;
-KDA_UNROLL
-      for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-        const uint2 b = ld_as<uint2>(pair_row + 16 * nt);
-        ops.mma_tf32(st[nt], a, b.x, b.y);
-      }
-    }
+    // S^T = S0^T diag(gamma) + U^T Kb' (ua holds -U^T).
+    update_state_f16<kHeadDim / 8, true>(ops, st, ua, gamma, stage + T::kKb, lane);
 
     // oa += U^T M'^T over the token blocks ks <= np only (M' is zero above its diagonal).
 KDA_UNROLL
@@ -1086,11 +1155,9 @@ __host__ __device__ __forceinline__ void load_stage_unrolled(Ops& ops, uint32_t 
                                                              const unsigned char* rec,
                                                              int vbase, int tid) {
   using S = StateTraits;
-  // W and Qt are consecutive 64-row tiles in the record and in the stage: 128 rows.
-  copy_rows<kThreads, 2 * kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
+  // W, Qt and Kb' are consecutive 64-row tiles in the record and in the stage: 192 rows.
+  copy_rows<kThreads, 3 * kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
       ops, stage + S::kW, rec + Record::kW, tid);
-  copy_rows<kThreads, kChunk / 2, Record::kKbPairFloats * 4 / 16, Record::kKbPairFloats * 4,
-            S::kPitchKb>(ops, stage + S::kKb, rec + Record::kKb, tid);
   copy_rows<kThreads, kChunk, kChunk * 2 / 16, kChunk * 2, S::kPitchMp>(
       ops, stage + S::kMp, rec + Record::kMp, tid);
   copy_rows<kThreads, S::kColumns, kChunk * 4 / 16, kChunk * 4, S::kPitchUv>(
@@ -1323,28 +1390,8 @@ KDA_UNROLL
       uf[kq][3] = pack_bf16(ua[2 * kq + 1][2], ua[2 * kq + 1][3]);
     }
 
-    // The warp's channels of S^T = S0^T diag(gamma) + U^T Kb' in tf32, fragments as in
-    // state_block (token pairs 8 s + 2t, 8 s + 2t + 1 as the k = t, t + 4 of the m16n8k8).
-KDA_UNROLL
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
-      const float gm0 = gamma[8 * nt + 2 * t], gm1 = gamma[8 * nt + 2 * t + 1];
-      st[nt][0] *= gm0;
-      st[nt][1] *= gm1;
-      st[nt][2] *= gm0;
-      st[nt][3] *= gm1;
-    }
-    const float* kb = reinterpret_cast<const float*>(stage_ptr + S::kKb) + 2 * kbase;
-KDA_UNROLL
-    for (int s = 0; s < kChunk / 8; ++s) {
-      const uint32_t a[4] = {tf32_bits(ua[s][0]), tf32_bits(ua[s][2]), tf32_bits(ua[s][1]),
-                             tf32_bits(ua[s][3])};
-      const float* pair_row = kb + (4 * s + t) * S::kPitchKbFloats + 2 * g;
-KDA_UNROLL
-      for (int nt = 0; nt < kKeyTiles; ++nt) {
-        const uint2 b = ld_as<uint2>(pair_row + 16 * nt);
-        ops.mma_tf32(st[nt], a, b.x, b.y);
-      }
-    }
+    // The warp's channels of S^T = S0^T diag(gamma) + U^T Kb' (ua holds +U^T).
+    update_state_f16<kKeyTiles, false>(ops, st, ua, gamma, stage + S::kKb + kbase * 2, lane);
 
     // oa += U^T M'^T on the O blocks this warp owns (token blocks kq <= np only).
 KDA_UNROLL

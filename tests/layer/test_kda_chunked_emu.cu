@@ -192,6 +192,11 @@ struct HostOps {
     if (in_smem(offset, 4)) std::memcpy(&w, blk->base() + offset, 4);
     return w;
   }
+  uint32_t load16(uint32_t offset) {
+    uint16_t h = 0;
+    if (in_smem(offset, 2)) std::memcpy(&h, blk->base() + offset, 2);
+    return h;
+  }
 
 
   // ldmatrix x4: lane 8m + i gives the address of row i of matrix m.
@@ -205,16 +210,39 @@ struct HostOps {
   }
 
 
+  // ldmatrix x4 .trans: lane 8m + i gives the address of row i of matrix m; r[m] gets
+  // (rows 2t, 2t + 1; column g), row 2t in the low half.
+  void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    if (addr % 16 != 0) blk->error("ldmatrix row address not 16-byte aligned");
+    WarpSlot& s = slot();
+    s.u[lane()][0] = addr;
+    warp_wait();
+    const int g = lane() >> 2, t = lane() & 3;
+    for (int m = 0; m < 4; ++m) {
+      const uint32_t lo = load16(s.u[8 * m + 2 * t][0] + 2 * g);
+      const uint32_t hi = load16(s.u[8 * m + 2 * t + 1][0] + 2 * g);
+      r[m] = lo | (hi << 16);
+    }
+  }
+
   // mma.sync m16n8k16 row.col bf16 -> fp32: every lane publishes its fragments, then computes
   // its own four outputs from the whole warp's.
   void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma16(d, a, b0, b1, [](uint16_t h) { return kda::host::bf16_to_float(h); });
+  }
+  // The same with fp16 operands.
+  void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma16(d, a, b0, b1, [](uint16_t h) { return kda::host::fp16_to_float(h); });
+  }
+  template <class Widen>
+  void mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Widen widen) {
     WarpSlot& s = slot();
     for (int i = 0; i < 4; ++i) s.u[lane()][i] = a[i];
     s.u[lane()][4] = b0;
     s.u[lane()][5] = b1;
     warp_wait();
-    auto bf = [](uint32_t word, int hi) {
-      return kda::host::bf16_to_float(static_cast<uint16_t>(hi ? word >> 16 : word & 0xFFFFu));
+    auto bf = [&](uint32_t word, int hi) {
+      return widen(static_cast<uint16_t>(hi ? word >> 16 : word & 0xFFFFu));
     };
     // A(row, k): lane 4 (row % 8) + (k % 8) / 2, register (row / 8) + 2 (k / 8), half k % 2.
     auto A = [&](int row, int k) {
@@ -642,6 +670,30 @@ TEST_CASE("phase 1's short scalar forms follow float64 and the triangle map is t
       CAPTURE(l);
       CHECK(kda::chunked::triangle_row(l) == il);
     }
+}
+
+TEST_CASE("the state update's row scale puts every row of U inside fp16's range") {
+  using kda::chunked::fp16_scale_exponent;
+  using kda::chunked::pow2f;
+  // The largest |U| of a row lands in [2^14, 2^15) for row maxima in [2^-26, 2^114] ...
+  for (int e = -26; e <= 114; ++e)
+    for (float f : {1.0f, 1.5f, 1.99999988f}) {
+      const float m = std::ldexp(f, e);
+      const int k = fp16_scale_exponent(m);
+      CAPTURE(m);
+      const float scaled = m * pow2f(k), unit = pow2f(k) * pow2f(-k);
+      CHECK(scaled >= 16384.0f);
+      CHECK(scaled < 32768.0f);
+      CHECK(unit == 1.0f);  // both normal: the rescale is exact
+    }
+  // ... and outside that the scale is clamped, so neither 2^k nor 2^-k leaves the normal range
+  // and a row of zeros (padding) keeps finite, harmless scales.
+  CHECK(fp16_scale_exponent(0.0f) == 40);
+  CHECK(fp16_scale_exponent(1e-30f) == 40);
+  CHECK(fp16_scale_exponent(1e38f) == -100);
+  CHECK(fp16_scale_exponent(INFINITY) == -100);
+  CHECK(pow2f(40) == std::ldexp(1.0f, 40));
+  CHECK(pow2f(-100) == std::ldexp(1.0f, -100));
 }
 
 TEST_CASE("the emulated chunked kernels match the float64 reference on a varlen batch") {

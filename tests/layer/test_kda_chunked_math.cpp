@@ -3,7 +3,7 @@
 // start, 16-token diagonal sub-blocks, reference tokens for the blocks below them, forward
 // substitution, transposed state), against kda::ref::recurrence token by token.
 // In float64 the two must agree to rounding; with the kernel's fp32 arithmetic and bf16
-// operands where the kernel stores or feeds bf16 and tf32 where it feeds tf32, the error must
+// operands where the kernel stores or feeds bf16 and fp16 where it feeds fp16, the error must
 // stay well inside the GPU test's tolerances (1e-2 on o, 5e-3 on the final state).
 #include <doctest/doctest.h>
 
@@ -97,8 +97,9 @@ void reference(const Tokens& tk, const std::vector<double>& s0, bool has_state,
 
 // The kernel's evaluation order. Kernel numerics (R = float): log2 units with the decay floor,
 // bf16 wherever the kernel stores bf16 (Qt, M', W, the off-diagonal operands) or feeds a bf16
-// tensor-core product (S0, U for U and O) and for o; tf32 for both operands of the state
-// update (Kb' and U); fp32 elsewhere (Uv, gamma, the state). Exact (R = double): no rounding
+// tensor-core product (S0, U for U and O) and for o; fp16 for both operands of the state
+// update (Kb', and U with each value row scaled by a power of two so that its largest |U| is
+// in [2^14, 2^15), as update_state_f16 does); fp32 elsewhere (Uv, gamma, the state). Exact (R = double): no rounding
 // at all. max_exponent records the largest argument ever given to exp.
 template <typename R>
 struct ChunkedModel {
@@ -108,11 +109,16 @@ struct ChunkedModel {
   R rb(R x) const {
     return kernel_numerics ? static_cast<R>(kda::host::bf16_round(static_cast<float>(x))) : x;
   }
-  // tf32: 10 explicit mantissa bits, to nearest, ties away from zero (cvt.rna.tf32.f32).
-  R rt(R x) const {
+  // fp16, round to nearest even, after scaling by 2^k (exact), then scaled back.
+  R rh(R x, int k = 0) const {
     if (!kernel_numerics) return x;
-    const uint32_t bits = (kda::host::float_bits(static_cast<float>(x)) + 0x1000u) & 0xFFFFE000u;
-    return static_cast<R>(kda::host::bits_float(bits));
+    return static_cast<R>(kda::host::fp16_round(std::ldexp(static_cast<float>(x), k)) *
+                          std::ldexp(1.0f, -k));
+  }
+  // The row scale of update_state_f16: 2^k with k = clamp(14 - floor(log2 m), -100, 40).
+  static int row_scale(double m) {
+    if (!(m > 0)) return 40;
+    return std::min(40, std::max(-100, 14 - static_cast<int>(std::floor(std::log2(m)))));
   }
   R ex(R x) {
     max_exponent = std::max(max_exponent, static_cast<double>(x));
@@ -190,7 +196,7 @@ struct ChunkedModel {
       for (int i = 0; i < C; ++i)
         for (int c = 0; c < K; ++c) {
           Qt[i * K + c] = rb(qq[i * K + c] * ex(G[i * K + c]));
-          Kb[i * K + c] = rt(beta[i] * kq[i * K + c] * ex(G[(C - 1) * K + c] - G[i * K + c]));
+          Kb[i * K + c] = rh(beta[i] * kq[i * K + c] * ex(G[(C - 1) * K + c] - G[i * K + c]));
         }
       for (int c = 0; c < K; ++c) gam[c] = ex(G[(C - 1) * K + c]);
 
@@ -199,12 +205,16 @@ struct ChunkedModel {
       std::vector<R> sb(st.size()), ut(size_t(K) * C), ut32(size_t(K) * C);
       for (size_t e = 0; e < st.size(); ++e) sb[e] = rb(st[e]);
       for (int v = 0; v < K; ++v) {
+        double umax = 0.0;
         for (int i = 0; i < C; ++i) {
           R u = 0;
           for (int c = 0; c < K; ++c) u += sb[size_t(v) * K + c] * W[i * K + c];
-          ut[size_t(v) * C + i] = rb(UvT[v * C + i] - u);
-          ut32[size_t(v) * C + i] = rt(UvT[v * C + i] - u);
+          ut32[size_t(v) * C + i] = UvT[v * C + i] - u;
+          ut[size_t(v) * C + i] = rb(ut32[size_t(v) * C + i]);
+          umax = std::max(umax, std::fabs(static_cast<double>(ut32[size_t(v) * C + i])));
         }
+        const int k = row_scale(static_cast<double>(static_cast<float>(umax)));
+        for (int i = 0; i < C; ++i) ut32[size_t(v) * C + i] = rh(ut32[size_t(v) * C + i], k);
         for (int i = 0; i < len; ++i) {
           R out = 0;
           for (int c = 0; c < K; ++c) out += sb[size_t(v) * K + c] * Qt[i * K + c];
