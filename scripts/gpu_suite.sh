@@ -83,15 +83,22 @@ for stage in "${stages[@]}"; do
     profile)
       # Nsight Compute on the packed conv (16384 x 1) and the chunked core (H 12, 1 x 16384), clocks
       # left alone. PROFILE="conv core" picks the parts; "state" profiles one launch of each
-      # phase-2 kernel (KSplit, Unsplit, Original) on H 12, 1 x 16384.
+      # phase-2 kernel (KSplit, Unsplit, Original) on H 12, 1 x 16384; "prep" one launch of phase 1
+      # (H 12, 1 x 16384) with every section, its report and its SASS with per-instruction stall
+      # samples as CSV (ncu_prep_sass.csv).
       ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-      sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section SourceCounters"
+      sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis --section InstructionStats"
       for part in ${PROFILE:-conv core}; do
         case "$part" in
           conv) timeout 240 "$ncu_bin" --clock-control none $sections -k regex:packed_conv_kernel --launch-skip 5 --launch-count 1 \
                   "$build/bench/bench_conv" --quick --case 16384x1 > "$OUT/ncu_conv.txt" 2>&1 ;;
           core) timeout 300 "$ncu_bin" --clock-control none $sections -k regex:kda_chunk --launch-skip 2 --launch-count 4 \
                   "$build/bench/bench_kda_core" --quick --reps 20 > "$OUT/ncu_core.txt" 2>&1 ;;
+          prep)
+            timeout 300 "$ncu_bin" --clock-control none --set full -k regex:kda_chunk_prep --launch-skip 1 --launch-count 1 \
+              -o "$OUT/ncu_prep" -f "$build/bench/bench_kda_core" --quick --reps 20 > "$OUT/ncu_prep.txt" 2>&1
+            "$ncu_bin" -i "$OUT/ncu_prep.ncu-rep" --page details >> "$OUT/ncu_prep.txt" 2>&1
+            "$ncu_bin" -i "$OUT/ncu_prep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_prep_sass.csv" 2>&1 ;;
           state)
             : > "$OUT/ncu_state.txt"
             for kernel in 'kda_chunk_state_split_kernel<2>' 'kda_chunk_state_split_kernel<1>' 'kda_chunk_state_kernel'; do
