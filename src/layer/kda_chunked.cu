@@ -322,7 +322,8 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
         kda_chunk_state_kernel<<<grid, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p);
         break;
       case KdaStateKernel::Specialized:
-        kda_chunk_state_spec_kernel<<<grid, SpecTraits::kThreads, SpecTraits::kSmemBytes, stream>>>(p);
+        kda_chunk_state_spec_kernel
+            <<<grid, SpecTraits::kThreads, SpecTraits::kSmemBytes, stream>>>(p);
         break;
     }
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());

@@ -34,11 +34,18 @@
 // operands set the precision of the carried state, is a tf32 product (m16n8k8, B read as
 // 8-byte pairs), which keeps the final state's error near 3e-4 instead of 3e-3.
 //
+// Phase 2, warp-specialized (state_block_spec, KdaStateKernel::Specialized, at the very end):
+// the same grid, records and stages with 4 warps per block; per value tile a state warp holds
+// S^T and computes U and the state update, and an output warp computes O and writes o from the
+// state warp's bf16 S0^T and U^T fragments, published through shared memory behind named
+// barriers (bar.arrive by the state warp, bar.sync by the output warp). The output warp's
+// products are Unsplit's on the same operands in the same order: bit-identical results.
+//
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
-// barriers, shuffles, the radix search, ldmatrix, mma in bf16 and tf32, cp.async); DeviceOps
-// in kda_chunked.cu maps them to the hardware instructions. Fragment layouts (PTX ISA,
-// "Matrix Fragments for mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and
-// t = lane % 4:
+// barriers (sync and arrive), shuffles, the radix search, ldmatrix, mma in bf16 and tf32,
+// cp.async); DeviceOps in kda_chunked.cu maps them to the hardware instructions. Fragment
+// layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16" and "for mma.m16n8k8"), with
+// g = lane / 4 and t = lane % 4:
 //   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
 //     a3 (g+8, 2t+8..)
 //   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
@@ -1451,7 +1458,8 @@ KDA_UNROLL_1
     pack_state_bf16(st, sf);
 KDA_UNROLL
     for (int kk = 0; kk < T::kSfSlots; ++kk)
-      st_as<uint4>(xchg + kk * T::kSlotBytes, make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
+      st_as<uint4>(xchg + kk * T::kSlotBytes,
+                   make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
     if (vt == 0) ops.named_arrive(1, T::kPairThreads);
     else ops.named_arrive(2, T::kPairThreads);
 
@@ -1487,7 +1495,8 @@ KDA_UNROLL
     pack_u_bf16(ua, uf);
 KDA_UNROLL
     for (int kq = 0; kq < T::kUfSlots; ++kq)
-      st_as<uint4>(xchg_uf + kq * T::kSlotBytes, make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
+      st_as<uint4>(xchg_uf + kq * T::kSlotBytes,
+                   make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
     if (vt == 0) ops.named_arrive(3, T::kPairThreads);
     else ops.named_arrive(4, T::kPairThreads);
 
