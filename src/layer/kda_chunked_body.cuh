@@ -23,7 +23,7 @@
 // Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
 // (slot, head) to the workspace.
-// Phase 2 (state_block_split, the default, at the end of this file: the same with two warps
+// Phase 2 (state_block_split, the default, near the end of this file: the same with two warps
 // per 16 value rows, one per half of the key channels; state_block, the first form): one
 // block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
 // transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
@@ -1408,6 +1408,10 @@ KDA_UNROLL
 // n + 1's block barrier, which the output warp reaches only after it has read chunk n's sf and
 // uf (and completed both barriers' generations of chunk n). The stages are shared as in
 // state_block_split: all 128 threads copy, one block barrier per chunk.
+// The two roles reach the same barriers at different instructions (the block barrier in two
+// loops; arrive against sync on the pair barriers), each by a whole, converged warp: the
+// pattern of the PTX ISA's producer / consumer example for bar.arrive (compute-sanitizer's
+// synccheck on the GPU is the check the emulation cannot make).
 
 struct SpecTraits {
   static constexpr int kValueTiles = 2;               // 16-row value tiles per block
