@@ -1,11 +1,11 @@
 // The chunked KDA kernels' block bodies (src/layer/kda_chunked_body.cuh) executed on the CPU:
 // one std::thread per CUDA thread, barriers for __syncthreads and for named barriers
-// (bar.sync id, n), and the warp collectives (shuffle, ldmatrix, mma.sync m16n8k16 bf16 and
-// m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment layouts. So the fragment index
-// math, the record layout shared by the two phases, the K-split exchange of phase 2, the
-// varlen map and the skip rules are checked without a GPU, on the very code the kernels run,
-// against the float64 reference (kda::ref::prep_recurrence), for every phase-2 kernel
-// (KdaStateKernel).
+// (bar.sync id, n and bar.arrive id, n), and the warp collectives (shuffle, ldmatrix, mma.sync
+// m16n8k16 bf16 and m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment layouts. So
+// the fragment index math, the record layout shared by the two phases, the K-split exchange
+// and the warp-specialized form's publications of phase 2, the varlen map and the skip rules
+// are checked without a GPU, on the very code the kernels run, against the float64 reference
+// (kda::ref::prep_recurrence), for every phase-2 kernel (KdaStateKernel).
 // What this cannot check: the hardware's own behaviour (the layouts are taken from the PTX
 // ISA, as the kernels take them), timing, shared-memory limits and launch configuration.
 #include <doctest/doctest.h>
