@@ -1,8 +1,8 @@
 // Benchmark of the KDA core (spec steps 4 and 5: prep + gated delta rule): the token-by-token
 // kernel kda_prep_recurrence against the chunked tensor-core kernel kda_chunked, and the
 // chunked kernel's two phases alone, phase 2 once per state kernel (KdaStateKernel: KSplit,
-// Unsplit, the default, and Original, a row each, on the same records), on the shapes of
-// docs/perf-notes-kda-core.md.
+// Unsplit, the default, Original and Specialized, a row each, on the same records), on the
+// shapes of docs/perf-notes-kda-core.md.
 //
 //   bench_kda_core [--quick] [--reps N] [--out FILE]
 //
@@ -193,6 +193,7 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
       {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit"},
       {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit (default)"},
       {kda::KdaStateKernel::Original, "  phase 2 (state, o): Original"},
+      {kda::KdaStateKernel::Specialized, "  phase 2 (state, o): Specialized"},
   };
   for (const auto& [kernel, label] : state_kernels)
     rows.push_back({cs.name, label,

@@ -83,9 +83,9 @@ for stage in "${stages[@]}"; do
     profile)
       # Nsight Compute on the packed conv (16384 x 1) and the chunked core (H 12, 1 x 16384), clocks
       # left alone. PROFILE="conv core" picks the parts; "state" profiles one launch of each
-      # phase-2 kernel (KSplit, Unsplit, Original) on H 12, 1 x 16384; "prep" one launch of phase 1
-      # (H 12, 1 x 16384) with every section, its report and its SASS with per-instruction stall
-      # samples as CSV (ncu_prep_sass.csv).
+      # phase-2 kernel (KSplit, Unsplit, Original, Specialized) on H 12, 1 x 16384; "prep" one
+      # launch of phase 1 (H 12, 1 x 16384) with every section, its report and its SASS with
+      # per-instruction stall samples as CSV (ncu_prep_sass.csv).
       ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis --section InstructionStats"
       for part in ${PROFILE:-conv core}; do
@@ -101,7 +101,8 @@ for stage in "${stages[@]}"; do
             "$ncu_bin" -i "$OUT/ncu_prep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_prep_sass.csv" 2>&1 ;;
           state)
             : > "$OUT/ncu_state.txt"
-            for kernel in 'kda_chunk_state_split_kernel<2>' 'kda_chunk_state_split_kernel<1>' 'kda_chunk_state_kernel'; do
+            for kernel in 'kda_chunk_state_split_kernel<2>' 'kda_chunk_state_split_kernel<1>' 'kda_chunk_state_kernel' \
+                'kda_chunk_state_spec_kernel'; do
               timeout 300 "$ncu_bin" --clock-control none $sections --kernel-name-base demangled \
                 -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
                 "$build/bench/bench_kda_core" --quick --reps 20 >> "$OUT/ncu_state.txt" 2>&1

@@ -4,7 +4,8 @@
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 109 KB of shared memory (two blocks
 // per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 171 KB of
-// shared memory (KSplit: double-buffered chunk records and the exchange of partials) or 64
+// shared memory (KSplit: double-buffered chunk records and the exchange of partials), 128
+// threads and 151 KB (Specialized: the records and the exchange of S0 and U fragments) or 64
 // threads and 139 KB (Unsplit, Original). Both grids depend on capacities only (CUDA graph
 // safe).
 // Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 / fp16, ldmatrix (.trans),
@@ -34,6 +35,7 @@ using chunked::ChunkedParams;
 using chunked::PrepSmem;
 using chunked::PrepTraits;
 using chunked::Record;
+using chunked::SpecTraits;
 using chunked::SplitTraits;
 using chunked::StateTraits;
 
@@ -124,6 +126,11 @@ struct DeviceOps {
   __device__ __forceinline__ void named_sync(int id, int threads) const {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   }
+  // Arrives at barrier `id` without waiting (a producer): its earlier memory accesses are
+  // performed for the threads that wait there once the barrier completes.
+  __device__ __forceinline__ void named_arrive(int id, int threads) const {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
 };
 
 template <bool kLowerBound>
@@ -147,6 +154,13 @@ __global__ void __launch_bounds__(SplitTraits<kKSplit>::kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   DeviceOps ops{smem_raw};
   chunked::state_block_split<kKSplit>(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+}
+
+__global__ void __launch_bounds__(SpecTraits::kThreads, 1)
+    kda_chunk_state_spec_kernel(const ChunkedParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DeviceOps ops{smem_raw};
+  chunked::state_block_spec(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -193,6 +207,9 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_split_kernel<2>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  SplitTraits<2>::kSmemBytes));
+  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_spec_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 SpecTraits::kSmemBytes));
   if (done.size() <= static_cast<std::size_t>(device)) done.resize(device + 1, false);
   done[device] = true;
 }
@@ -279,10 +296,11 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
   switch (state_kernel) {
     case KdaStateKernel::KSplit:
     case KdaStateKernel::Unsplit:
-    case KdaStateKernel::Original: break;
+    case KdaStateKernel::Original:
+    case KdaStateKernel::Specialized: break;
     default:
       KDA_FAIL(kFunction, "state_kernel ", static_cast<int>(state_kernel),
-               " is not one of KSplit, Unsplit, Original");
+               " is not one of KSplit, Unsplit, Original, Specialized");
   }
   const ChunkedParams p = chunked::make_chunked_params(a, workspace);
   set_smem_attributes();
@@ -302,7 +320,8 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
   }
   if (state) {
     static_assert(StateTraits::kSlices == SplitTraits<1>::kSlices &&
-                      StateTraits::kSlices == SplitTraits<2>::kSlices,
+                      StateTraits::kSlices == SplitTraits<2>::kSlices &&
+                      StateTraits::kSlices == SpecTraits::kSlices,
                   "all phase-2 forms have one grid");
     const dim3 grid(static_cast<unsigned>(a.max_seqs), static_cast<unsigned>(a.num_heads),
                     StateTraits::kSlices);
@@ -317,6 +336,10 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
         break;
       case KdaStateKernel::Original:
         kda_chunk_state_kernel<<<grid, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p);
+        break;
+      case KdaStateKernel::Specialized:
+        kda_chunk_state_spec_kernel
+            <<<grid, SpecTraits::kThreads, SpecTraits::kSmemBytes, stream>>>(p);
         break;
     }
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());

@@ -57,8 +57,13 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 //            phase 2 is the critical path), within 2% of it elsewhere, and bit-identical to
 //            Original;
 //   Original the first kernel (one warp per 16 value rows and all 128 channels), kept for
-//            comparison.
-enum class KdaStateKernel { KSplit, Unsplit, Original };
+//            comparison;
+//   Specialized  Unsplit's work in two warps per 16 value rows: a state warp (S, U and the
+//            state update) and an output warp (O and the o rows), which gets the state warp's
+//            bf16 S0 and U fragments through shared memory; the state warp's chain per chunk
+//            drops from 148 bf16 + 128 tf32 mma to 64 + 128. Bit-identical to Unsplit and
+//            Original. Not measured on a GPU yet.
+enum class KdaStateKernel { KSplit, Unsplit, Original, Specialized };
 
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
 // kda_chunked_workspace_bytes(args) bytes, 16-byte aligned; its contents on entry do not

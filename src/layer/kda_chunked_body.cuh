@@ -23,7 +23,7 @@
 // Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
 // (slot, head) to the workspace.
-// Phase 2 (state_block_split, the default, at the end of this file: the same with two warps
+// Phase 2 (state_block_split, the default, near the end of this file: the same with two warps
 // per 16 value rows, one per half of the key channels; state_block, the first form): one
 // block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
 // transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
@@ -36,12 +36,18 @@
 // tiles read with ldmatrix .trans), which keeps the final state's error near 3e-4 instead of
 // the 3e-3 of bf16 operands.
 //
+// Phase 2, warp-specialized (state_block_spec, KdaStateKernel::Specialized, at the very end):
+// the same grid, records and stages with 4 warps per block; per value tile a state warp holds
+// S^T and computes U and the state update, and an output warp computes O and writes o from the
+// state warp's bf16 S0^T and U^T fragments, published through shared memory behind named
+// barriers (bar.arrive by the state warp, bar.sync by the output warp). The output warp's
+// products are Unsplit's on the same operands in the same order: bit-identical results.
+//
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
-// barriers, shuffles, the radix search, ldmatrix (.trans), mma in bf16, fp16 and tf32,
-// cp.async); DeviceOps
-// in kda_chunked.cu maps them to the hardware instructions. Fragment layouts (PTX ISA,
-// "Matrix Fragments for mma.m16n8k16" and "for mma.m16n8k8"), with g = lane / 4 and
-// t = lane % 4:
+// barriers (sync and arrive), shuffles, the radix search, ldmatrix (.trans), mma in bf16,
+// fp16 and tf32, cp.async); DeviceOps in kda_chunked.cu maps them to the hardware
+// instructions. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16" and "for
+// mma.m16n8k8"), with g = lane / 4 and t = lane % 4:
 //   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
 //     a3 (g+8, 2t+8..)
 //   B (16 x 8, k x n), 2 regs: b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
@@ -1088,7 +1094,7 @@ KDA_UNROLL
 //      U^T M'^T to the O blocks it owns and writes them. O blocks are dealt so that the
 //      triangular U^T M'^T work is even: with two warps, slice 0 owns token blocks 0 and 3,
 //      slice 1 blocks 1 and 2 (1 + 4 = 2 + 3 mma pairs).
-// Per warp and chunk that is half the mma (74 bf16 + 64 tf32 with kKSplit = 2), half the state
+// Per warp and chunk that is half the mma (74 bf16 + 32 fp16 with kKSplit = 2), half the state
 // registers (32 instead of 64), and one exchange (12 128-bit shared stores and loads). The
 // summation order over the key channels is not the first form's, so results differ from it in
 // the last bits; they are deterministic (fixed code, fixed order). The record stage is the
@@ -1230,6 +1236,126 @@ __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, in
           s.ptr + (n & 1) * S::kStageBytes};
 }
 
+// Pieces of the chunk step shared by state_block_split and state_block_spec (below). A warp's
+// slice of S^T is kKeyTiles accumulator tiles: st[nt] holds value rows v0 + (g, g + 8) and key
+// channels kbase + 8 nt + (2t, 2t + 1).
+template <int kKeyTiles>
+__host__ __device__ __forceinline__ void load_state_slice(float (&st)[kKeyTiles][4],
+                                                          const ChunkedParams& p,
+                                                          const float* state, bool from_state,
+                                                          int v0, int kbase, int g, int t) {
+KDA_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
+      st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
+    }
+  }
+}
+template <int kKeyTiles>
+__host__ __device__ __forceinline__ void store_state_slice(const float (&st)[kKeyTiles][4],
+                                                           const ChunkedParams& p, float* state,
+                                                           int v0, int kbase, int g, int t) {
+KDA_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
+      state[c * p.state_k + v * p.state_v] = st[nt][r];
+    }
+  }
+}
+
+// The slice of S0^T as bf16 A fragments: k-step kk covers kbase + [16 kk, 16 kk + 16).
+template <int kKeyTiles>
+__host__ __device__ __forceinline__ void pack_state_bf16(const float (&st)[kKeyTiles][4],
+                                                         uint32_t (&sf)[kKeyTiles / 2][4]) {
+KDA_UNROLL
+  for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+    sf[kk][0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
+    sf[kk][1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
+    sf[kk][2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+    sf[kk][3] = pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+  }
+}
+
+// U^T (the accumulator ua, n-tile nt = tokens [8 nt, 8 nt + 8)) as bf16 A fragments: k-step kq
+// covers tokens [16 kq, 16 kq + 16).
+__host__ __device__ __forceinline__ void pack_u_bf16(const float (&ua)[kChunk / 8][4],
+                                                     uint32_t (&uf)[kChunk / 16][4]) {
+KDA_UNROLL
+  for (int kq = 0; kq < kChunk / 16; ++kq) {
+    uf[kq][0] = pack_bf16(ua[2 * kq][0], ua[2 * kq][1]);
+    uf[kq][1] = pack_bf16(ua[2 * kq][2], ua[2 * kq][3]);
+    uf[kq][2] = pack_bf16(ua[2 * kq + 1][0], ua[2 * kq + 1][1]);
+    uf[kq][3] = pack_bf16(ua[2 * kq + 1][2], ua[2 * kq + 1][3]);
+  }
+}
+
+// The warp's channels [kbase, kbase + 8 kKeyTiles) of S^T = S0^T diag(gamma) + U^T Kb' from
+// U^T (+, not negated) in ua: update_state_f16 on the stage at shared address `stage`.
+KDA_OPS_BODY
+template <int kKeyTiles, class Ops>
+__host__ __device__ __forceinline__ void update_state(Ops& ops, float (&st)[kKeyTiles][4],
+                                                      const float (&ua)[kChunk / 8][4],
+                                                      uint32_t stage, const unsigned char* stage_ptr,
+                                                      int kbase, int lane) {
+  using S = StateTraits;
+  const float* gamma = reinterpret_cast<const float*>(stage_ptr + S::kGamma) + kbase;
+  update_state_f16<kKeyTiles, false>(ops, st, ua, gamma, stage + S::kKb + kbase * 2, lane);
+}
+
+// oa += U^T M'^T on the O blocks warp ks of kKSplit owns (token blocks kq <= np only: M' is
+// zero above its diagonal). off_mp: the lane's ldmatrix offset into M'.
+KDA_OPS_BODY
+template <int kKSplit, class Ops>
+__host__ __device__ __forceinline__ void add_u_mp(Ops& ops, float (&oa)[kChunk / 8][4],
+                                                  const uint32_t (&uf)[kChunk / 16][4],
+                                                  uint32_t stage, uint32_t off_mp, int ks) {
+  using S = StateTraits;
+KDA_UNROLL
+  for (int np = 0; np < kSubBlocks; ++np) {
+    if (o_block_owner(np, kKSplit) != ks) continue;
+KDA_UNROLL
+    for (int kq = 0; kq <= np; ++kq) {
+      uint32_t b[4];
+      ops.ldsm_x4(b, stage + S::kMp + off_mp + np * 16 * S::kPitchMp + kq * 32);
+      ops.mma(oa[2 * np], uf[kq], b[0], b[1]);
+      ops.mma(oa[2 * np + 1], uf[kq], b[2], b[3]);
+    }
+  }
+}
+
+// o rows of chunk n of the owned blocks: token 8 nt + 2t + (r & 1), value column
+// v0 + g + 8 (r >> 1). Two row pointers (tokens 2t and 2t + 1 of the n-tile) step 8 rows per
+// n-tile.
+template <int kKSplit>
+__host__ __device__ __forceinline__ void store_o_chunk(const ChunkedParams& p,
+                                                       const SeqSpan& span, int64_t n, int head,
+                                                       int v0, int ks, int g, int t,
+                                                       const float (&oa)[kChunk / 8][4]) {
+  const int64_t t0 = span.bos + n * kChunk;
+  const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
+  __nv_bfloat16* orow0 =
+      p.o + (t0 + 2 * t) * p.o_stride + static_cast<int64_t>(head) * kHeadDim + v0 + g;
+  __nv_bfloat16* orow1 = orow0 + p.o_stride;
+  const int64_t step8 = 8 * p.o_stride;
+KDA_UNROLL
+  for (int nt = 0; nt < kChunk / 8; ++nt, orow0 += step8, orow1 += step8) {
+    if (o_block_owner(nt / 2, kKSplit) != ks) continue;
+    const int i = 8 * nt + 2 * t;
+    if (i < rows) {
+      orow0[0] = __float2bfloat16_rn(oa[nt][0]);
+      orow0[8] = __float2bfloat16_rn(oa[nt][2]);
+    }
+    if (i + 1 < rows) {
+      orow1[0] = __float2bfloat16_rn(oa[nt][1]);
+      orow1[8] = __float2bfloat16_rn(oa[nt][3]);
+    }
+  }
+}
+
 // One (sequence, head, value slice) of phase 2 in the K-split form, as thread `tid` of
 // SplitTraits<kKSplit>::kThreads. Exits are uniform over the block, as in state_block.
 KDA_OPS_BODY
@@ -1253,19 +1379,11 @@ __host__ __device__ __forceinline__ void state_block_split(Ops& ops, const Chunk
   const int v0 = vbase + vrow;
   const int kbase = ks * T::kKeys;
 
-  // The warp's slice of S^T: st[nt] holds value rows v0 + (g, g + 8) and key channels
-  // kbase + 8 nt + (2t, 2t + 1).
+  // The warp's slice of S^T (load_state_slice).
   float st[kKeyTiles][4];
   float* state = p.states + span.line * p.state_line + head * p.state_head;
   const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-KDA_UNROLL
-  for (int nt = 0; nt < kKeyTiles; ++nt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
-      st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
-    }
-  }
+  load_state_slice(st, p, state, from_state, v0, kbase, g, t);
 
   unsigned char* smem = ops.smem();
   // ldmatrix offsets as in state_block; the W / Qt ones start at the warp's key channels.
@@ -1282,17 +1400,10 @@ KDA_UNROLL_1
     const uint32_t stage = st_n.addr;
     const unsigned char* stage_ptr = st_n.ptr;
     const float* uvt = reinterpret_cast<const float*>(stage_ptr + S::kUvT);
-    const float* gamma = reinterpret_cast<const float*>(stage_ptr + S::kGamma) + kbase;
 
-    // S0^T (the warp's channels) as bf16 A fragments: k-step kk covers kbase + [16 kk, 16 kk + 16).
+    // S0^T (the warp's channels) as bf16 A fragments.
     uint32_t sf[T::kKeys / 16][4];
-KDA_UNROLL
-    for (int kk = 0; kk < T::kKeys / 16; ++kk) {
-      sf[kk][0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
-      sf[kk][1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
-      sf[kk][2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      sf[kk][3] = pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-    }
+    pack_state_bf16(st, sf);
 
     // Partial ua = -U^T (S0^T W^T, minus Uv^T in slice 0) and oa = O^T (S0^T Qt^T). After the
     // exchange ua holds +U^T.
@@ -1380,63 +1491,225 @@ KDA_UNROLL
         for (int r = 0; r < 4; ++r) ua[nt][r] = -ua[nt][r];
     }
 
-    // U^T as bf16 A fragments: k-step kq covers tokens [16 kq, 16 kq + 16).
+    // U^T as bf16 A fragments, the state update (fp16), then O += U^T M'^T on the O blocks
+    // this warp owns and their o rows.
+    uint32_t uf[kChunk / 16][4];
+    pack_u_bf16(ua, uf);
+    update_state(ops, st, ua, stage, stage_ptr, kbase, lane);
+    add_u_mp<kKSplit>(ops, oa, uf, stage, off_mp, ks);
+    store_o_chunk<kKSplit>(p, span, n, head, v0, ks, g, t, oa);
+  }
+
+  store_state_slice(st, p, state, v0, kbase, g, t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phase 2, warp-specialized form (state_block_spec, KdaStateKernel::Specialized). In Unsplit the
+// one warp of a value tile carries, per chunk, U (64 bf16 mma), O (64 + 20 bf16 mma) and the
+// state update (64 fp16 mma) in one issue stream, although O feeds nothing that the next chunk
+// needs; and its block of 2 warps leaves 2 of an SM's 4 schedulers idle. Here each value tile
+// has two warps on their own schedulers, same grid, same records, same stage pipeline:
+//   state warp (warps 0, 1 = value tile vt): S^T in registers; per chunk it packs sf = bf16(S0^T)
+//     and publishes it, computes U^T = Uv^T - S0^T W^T (64 mma), publishes uf = bf16(U^T), and
+//     updates the state (64 fp16 mma). Its chain per chunk: 64 bf16 + 64 fp16 mma.
+//   output warp (warps 2, 3 = value tile vt - 2): per chunk, O^T = S0^T Qt^T (64 mma) from the
+//     published sf, then O^T += U^T M'^T (20 mma) from the published uf, and the o rows.
+// The output warp's operands are the state warp's very bits (sf, uf) and its mma sequence per
+// accumulator is Unsplit's, so o and the state are bit-identical to Unsplit and Original.
+//
+// Publishing goes through an exchange area after the two stages, per value tile 8 sf slots
+// (k-steps kk) and 4 uf slots (k-steps kq), each the 4 fragment registers of every lane as one
+// 16-byte word at [slot][lane] (conflict-free 128-bit accesses). Each publication is a producer
+// / consumer pair on a named barrier of the tile's two warps (64 threads): the state warp
+// arrives (bar.arrive: it never waits for the output warp inside a chunk), the output warp
+// syncs (bar.sync), so the state warp's stores are visible to it past the barrier. sf uses
+// barrier 1 + vt, uf barrier 3 + vt, ids spelled as constants (ptxas reserves 5 barriers). They
+// must be distinct: with one id the state warp's two arrivals of a chunk could complete a
+// generation on their own.
+// Reuse of the slots and of the barriers across chunks is ordered by the block barrier of
+// enter_chunk: the state warp writes chunk n + 1's sf (and arrives again) only after chunk
+// n + 1's block barrier, which the output warp reaches only after it has read chunk n's sf and
+// uf (and completed both barriers' generations of chunk n). The stages are shared as in
+// state_block_split: all 128 threads copy, one block barrier per chunk.
+// The two roles reach the same barriers at different instructions (the block barrier in two
+// loops; arrive against sync on the pair barriers), each by a whole, converged warp: the
+// pattern of the PTX ISA's producer / consumer example for bar.arrive (compute-sanitizer's
+// synccheck on the GPU is the check the emulation cannot make).
+
+struct SpecTraits {
+  static constexpr int kValueTiles = 2;               // 16-row value tiles per block
+  static constexpr int kWarps = 2 * kValueTiles;      // a state and an output warp per tile
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kColumns = kValueTiles * StateTraits::kRowsPerWarp;
+  static constexpr int kSlices = kHeadDim / kColumns;  // blocks per (sequence, head)
+  static constexpr int kSlotBytes = 32 * 16;           // a 16-byte word per lane
+  static constexpr int kSfSlots = kHeadDim / 16;       // S0^T fragments: k-steps of 16 keys
+  static constexpr int kUfSlots = kChunk / 16;         // U^T fragments: k-steps of 16 tokens
+  static constexpr int kXchgTileBytes = (kSfSlots + kUfSlots) * kSlotBytes;
+  static constexpr int kXchg = 2 * StateTraits::kStageBytes;
+  static constexpr int kSmemBytes = kXchg + kValueTiles * kXchgTileBytes;
+  static constexpr int kPairThreads = 64;  // named barriers of a tile's state and output warp
+  static_assert(kColumns == StateTraits::kColumns, "the stage layout is StateTraits'");
+  static_assert(kXchg % 16 == 0 && kSmemBytes <= 227 * 1024, "spec layout");
+  static_assert(kValueTiles == 2, "the exchange names barriers 1 .. 4, two per value tile");
+};
+
+// The state warp of value tile vt: holds S^T (16 value rows x 128 keys), publishes sf and uf.
+// `xchg` is the lane's word of slot 0 of the tile's exchange.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void spec_state_warp(Ops& ops, const ChunkedParams& p,
+                                                         const StateWalk& walk, StagePipe& pipe,
+                                                         int64_t seq, int head, int vt, int v0,
+                                                         unsigned char* xchg, int tid) {
+  using S = StateTraits;
+  using T = SpecTraits;
+  constexpr int kKeyTiles = kHeadDim / 8;
+  const int lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  const int vrow = vt * S::kRowsPerWarp;
+  float st[kKeyTiles][4];
+  float* state = p.states + walk.span.line * p.state_line + head * p.state_head;
+  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
+  load_state_slice(st, p, state, from_state, v0, 0, g, t);
+  const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
+  unsigned char* xchg_uf = xchg + T::kSfSlots * T::kSlotBytes;
+
+KDA_UNROLL_1
+  for (int64_t n = 0; n < walk.nchunks; ++n) {
+    const Stage st_n = enter_chunk<T::kThreads>(ops, pipe, n, walk.nchunks, tid);
+    const float* uvt = reinterpret_cast<const float*>(st_n.ptr + S::kUvT);
+
+    // sf, published for O (the output warp may read it once barrier 1 + vt completes).
+    uint32_t sf[kKeyTiles / 2][4];
+    pack_state_bf16(st, sf);
+KDA_UNROLL
+    for (int kk = 0; kk < T::kSfSlots; ++kk)
+      st_as<uint4>(xchg + kk * T::kSlotBytes,
+                   make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
+    if (vt == 0) ops.named_arrive(1, T::kPairThreads);
+    else ops.named_arrive(2, T::kPairThreads);
+
+    // ua = -U^T = S0^T W^T - Uv^T, then U^T: Unsplit's products in Unsplit's order.
+    float ua[kChunk / 8][4];
+    constexpr int kUvFloats = S::kPitchUv / 4;
+KDA_UNROLL
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+      const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
+      const float* hi = lo + 8 * kUvFloats;
+      ua[nt][0] = -lo[0];
+      ua[nt][1] = -lo[1];
+      ua[nt][2] = -hi[0];
+      ua[nt][3] = -hi[1];
+    }
+KDA_UNROLL
+    for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+KDA_UNROLL
+      for (int np = 0; np < kSubBlocks; ++np) {
+        uint32_t b[4];
+        ops.ldsm_x4(b, st_n.addr + S::kW + off_tile + np * 16 * S::kPitchTile + kk * 32);
+        ops.mma(ua[2 * np], sf[kk], b[0], b[1]);
+        ops.mma(ua[2 * np + 1], sf[kk], b[2], b[3]);
+      }
+    }
+KDA_UNROLL
+    for (int nt = 0; nt < kChunk / 8; ++nt)
+KDA_UNROLL
+      for (int r = 0; r < 4; ++r) ua[nt][r] = -ua[nt][r];
+
+    // uf, published for O += U^T M'^T (barrier 3 + vt).
+    uint32_t uf[kChunk / 16][4];
+    pack_u_bf16(ua, uf);
+KDA_UNROLL
+    for (int kq = 0; kq < T::kUfSlots; ++kq)
+      st_as<uint4>(xchg_uf + kq * T::kSlotBytes,
+                   make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
+    if (vt == 0) ops.named_arrive(3, T::kPairThreads);
+    else ops.named_arrive(4, T::kPairThreads);
+
+    update_state(ops, st, ua, st_n.addr, st_n.ptr, 0, lane);
+  }
+
+  store_state_slice(st, p, state, v0, 0, g, t);
+}
+
+// The output warp of value tile vt: O^T from the published sf and uf, and the o rows.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void spec_output_warp(Ops& ops, const ChunkedParams& p,
+                                                          const StateWalk& walk, StagePipe& pipe,
+                                                          int head, int vt, int v0,
+                                                          const unsigned char* xchg, int tid) {
+  using S = StateTraits;
+  using T = SpecTraits;
+  const int lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
+  const uint32_t off_mp = (r8 + 8 * (m >> 1)) * S::kPitchMp + (m & 1) * 16;
+  const unsigned char* xchg_uf = xchg + T::kSfSlots * T::kSlotBytes;
+
+KDA_UNROLL_1
+  for (int64_t n = 0; n < walk.nchunks; ++n) {
+    const Stage st_n = enter_chunk<T::kThreads>(ops, pipe, n, walk.nchunks, tid);
+
+    // oa = O^T = S0^T Qt^T, per accumulator the k-steps kk in Unsplit's order.
+    float oa[kChunk / 8][4];
+KDA_UNROLL
+    for (int nt = 0; nt < kChunk / 8; ++nt) oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
+    if (vt == 0) ops.named_sync(1, T::kPairThreads);
+    else ops.named_sync(2, T::kPairThreads);
+KDA_UNROLL
+    for (int kk = 0; kk < T::kSfSlots; ++kk) {
+      const uint4 w = ld_as<uint4>(xchg + kk * T::kSlotBytes);
+      const uint32_t sf[4] = {w.x, w.y, w.z, w.w};
+KDA_UNROLL
+      for (int np = 0; np < kSubBlocks; ++np) {
+        uint32_t b[4];
+        ops.ldsm_x4(b, st_n.addr + S::kQt + off_tile + np * 16 * S::kPitchTile + kk * 32);
+        ops.mma(oa[2 * np], sf, b[0], b[1]);
+        ops.mma(oa[2 * np + 1], sf, b[2], b[3]);
+      }
+    }
+
+    // oa += U^T M'^T, then the o rows.
+    if (vt == 0) ops.named_sync(3, T::kPairThreads);
+    else ops.named_sync(4, T::kPairThreads);
     uint32_t uf[kChunk / 16][4];
 KDA_UNROLL
-    for (int kq = 0; kq < kChunk / 16; ++kq) {
-      uf[kq][0] = pack_bf16(ua[2 * kq][0], ua[2 * kq][1]);
-      uf[kq][1] = pack_bf16(ua[2 * kq][2], ua[2 * kq][3]);
-      uf[kq][2] = pack_bf16(ua[2 * kq + 1][0], ua[2 * kq + 1][1]);
-      uf[kq][3] = pack_bf16(ua[2 * kq + 1][2], ua[2 * kq + 1][3]);
+    for (int kq = 0; kq < T::kUfSlots; ++kq) {
+      const uint4 w = ld_as<uint4>(xchg_uf + kq * T::kSlotBytes);
+      uf[kq][0] = w.x;
+      uf[kq][1] = w.y;
+      uf[kq][2] = w.z;
+      uf[kq][3] = w.w;
     }
-
-    // The warp's channels of S^T = S0^T diag(gamma) + U^T Kb' (ua holds +U^T).
-    update_state_f16<kKeyTiles, false>(ops, st, ua, gamma, stage + S::kKb + kbase * 2, lane);
-
-    // oa += U^T M'^T on the O blocks this warp owns (token blocks kq <= np only).
-KDA_UNROLL
-    for (int np = 0; np < kSubBlocks; ++np) {
-      if (o_block_owner(np, kKSplit) != ks) continue;
-KDA_UNROLL
-      for (int kq = 0; kq <= np; ++kq) {
-        uint32_t b[4];
-        ops.ldsm_x4(b, stage + S::kMp + off_mp + np * 16 * S::kPitchMp + kq * 32);
-        ops.mma(oa[2 * np], uf[kq], b[0], b[1]);
-        ops.mma(oa[2 * np + 1], uf[kq], b[2], b[3]);
-      }
-    }
-
-    // o rows of the owned blocks: token 8 nt + 2t + (r & 1), value column v0 + g + 8 (r >> 1).
-    // Two row pointers (tokens 2t and 2t + 1 of the n-tile) step 8 rows per n-tile.
-    const int64_t t0 = span.bos + n * kChunk;
-    const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
-    __nv_bfloat16* orow0 =
-        p.o + (t0 + 2 * t) * p.o_stride + static_cast<int64_t>(head) * kHeadDim + v0 + g;
-    __nv_bfloat16* orow1 = orow0 + p.o_stride;
-    const int64_t step8 = 8 * p.o_stride;
-KDA_UNROLL
-    for (int nt = 0; nt < T::kTokenTiles; ++nt, orow0 += step8, orow1 += step8) {
-      if (o_block_owner(nt / 2, kKSplit) != ks) continue;
-      const int i = 8 * nt + 2 * t;
-      if (i < rows) {
-        orow0[0] = __float2bfloat16_rn(oa[nt][0]);
-        orow0[8] = __float2bfloat16_rn(oa[nt][2]);
-      }
-      if (i + 1 < rows) {
-        orow1[0] = __float2bfloat16_rn(oa[nt][1]);
-        orow1[8] = __float2bfloat16_rn(oa[nt][3]);
-      }
-    }
+    add_u_mp<1>(ops, oa, uf, st_n.addr, off_mp, 0);
+    store_o_chunk<1>(p, walk.span, n, head, v0, 0, g, t, oa);
   }
+}
 
-KDA_UNROLL
-  for (int nt = 0; nt < kKeyTiles; ++nt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
-      state[c * p.state_k + v * p.state_v] = st[nt][r];
-    }
-  }
+// One (sequence, head, value slice) of phase 2 in the warp-specialized form, as thread `tid` of
+// SpecTraits::kThreads. Exits are uniform over the block; the two roles run their own chunk
+// loops, which meet at the same number of block barriers (one per chunk, in enter_chunk).
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void state_block_spec(Ops& ops, const ChunkedParams& p,
+                                                          int64_t seq, int head, int slice,
+                                                          int tid) {
+  using S = StateTraits;
+  using T = SpecTraits;
+  StateWalk walk;
+  if (!state_walk(p, seq, walk)) return;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int vt = warp % T::kValueTiles;
+  const int vbase = slice * T::kColumns;
+  const int v0 = vbase + vt * S::kRowsPerWarp;
+  unsigned char* xchg = ops.smem() + T::kXchg + vt * T::kXchgTileBytes + lane * 16;
+  StagePipe pipe = start_stages<T::kThreads>(ops, p, walk.first, head, vbase, tid);
+  if (warp < T::kValueTiles)
+    spec_state_warp(ops, p, walk, pipe, seq, head, vt, v0, xchg, tid);
+  else
+    spec_output_warp(ops, p, walk, pipe, head, vt, v0, xchg, tid);
 }
 
 }  // namespace kda::chunked

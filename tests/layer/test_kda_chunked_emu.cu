@@ -1,11 +1,11 @@
 // The chunked KDA kernels' block bodies (src/layer/kda_chunked_body.cuh) executed on the CPU:
 // one std::thread per CUDA thread, barriers for __syncthreads and for named barriers
-// (bar.sync id, n), and the warp collectives (shuffle, ldmatrix, mma.sync m16n8k16 bf16 and
-// m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment layouts. So the fragment index
-// math, the record layout shared by the two phases, the K-split exchange of phase 2, the
-// varlen map and the skip rules are checked without a GPU, on the very code the kernels run,
-// against the float64 reference (kda::ref::prep_recurrence), for every phase-2 kernel
-// (KdaStateKernel).
+// (bar.sync id, n and bar.arrive id, n), and the warp collectives (shuffle, ldmatrix, mma.sync
+// m16n8k16 bf16 and m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment layouts. So
+// the fragment index math, the record layout shared by the two phases, the K-split exchange
+// and the warp-specialized form's publications of phase 2, the varlen map and the skip rules
+// are checked without a GPU, on the very code the kernels run, against the float64 reference
+// (kda::ref::prep_recurrence), for every phase-2 kernel (KdaStateKernel).
 // What this cannot check: the hardware's own behaviour (the layouts are taken from the PTX
 // ISA, as the kernels take them), timing, shared-memory limits and launch configuration.
 #include <doctest/doctest.h>
@@ -39,15 +39,21 @@ using kda::chunked::ChunkedParams;
 
 using Barrier = kda::test::EmuBarrier;
 
-// bar.sync id, n: a barrier of n threads (whole warps) under a name. It also checks that every
-// generation is completed by the same warps as the first one: two groups of warps that used
-// one name by mistake would pair up at random on the GPU, and fail here.
+// bar.sync id, n and bar.arrive id, n: a barrier of n threads (whole warps) under a name,
+// which arriving threads pass at once and waiting threads once n have arrived. It also checks
+// that every generation is completed by the same warps as the first one: two groups of warps
+// that used one name by mistake would pair up at random on the GPU, and fail here (as would a
+// warp arriving twice at one generation).
 class NamedBarrier {
  public:
   explicit NamedBarrier(int threads) : threads_(threads) {}
   int threads() const { return threads_; }
   // Returns false when the warps completing this generation differ from the first's.
-  bool wait(int warp) {
+  bool wait(int warp) { return enter(warp, /*arrive_only=*/false); }
+  bool arrive(int warp) { return enter(warp, /*arrive_only=*/true); }
+
+ private:
+  bool enter(int warp, bool arrive_only) {
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t gen = generation_;
     warps_ |= uint64_t{1} << warp;
@@ -55,6 +61,8 @@ class NamedBarrier {
       bool same = true;
       if (first_warps_ == 0) first_warps_ = warps_;
       else same = warps_ == first_warps_;
+      // n arrivals from fewer than n / 32 warps: some warp arrived twice.
+      if (__builtin_popcountll(warps_) * 32 != threads_) same = false;
       same_ = same;
       arrived_ = 0;
       warps_ = 0;
@@ -62,6 +70,7 @@ class NamedBarrier {
       cv_.notify_all();
       return same;
     }
+    if (arrive_only) return true;
     if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return generation_ != gen; })) {
       std::fprintf(stderr, "emulation: named barrier of %d threads timed out\n", threads_);
       std::abort();
@@ -69,7 +78,6 @@ class NamedBarrier {
     return same_;
   }
 
- private:
   std::mutex mu_;
   std::condition_variable cv_;
   int threads_;
@@ -155,7 +163,10 @@ struct HostOps {
   void sync() { blk->block.wait(); }
 
   // bar.sync id, threads (id 0 is __syncthreads': the bodies use 1 .. 15).
-  void named_sync(int id, int threads) {
+  void named_sync(int id, int threads) { named(id, threads, /*arrive_only=*/false); }
+  // bar.arrive id, threads.
+  void named_arrive(int id, int threads) { named(id, threads, /*arrive_only=*/true); }
+  void named(int id, int threads, bool arrive_only) {
     if (id <= 0 || id >= 16 || threads <= 0 || threads % 32 != 0 || threads > blk->threads) {
       blk->error("named barrier " + std::to_string(id) + " of " + std::to_string(threads) +
                  " threads is not a legal bar.sync");
@@ -171,7 +182,7 @@ struct HostOps {
       blk->error("named barrier " + std::to_string(id) + " used with different thread counts");
       return;
     }
-    if (!b->wait(tid >> 5)) blk->error("named barrier " + std::to_string(id) + " completed by other warps");
+    if (!(arrive_only ? b->arrive(tid >> 5) : b->wait(tid >> 5))) blk->error("named barrier " + std::to_string(id) + " completed by other warps");
   }
 
   float shfl_xor(float v, int mask) {
@@ -334,11 +345,13 @@ const char* kernel_name(kda::KdaStateKernel kernel) {
     case kda::KdaStateKernel::KSplit: return "KSplit";
     case kda::KdaStateKernel::Unsplit: return "Unsplit";
     case kda::KdaStateKernel::Original: return "Original";
+    case kda::KdaStateKernel::Specialized: return "Specialized";
   }
   return "?";
 }
 // Original last: the others are compared with it.
 constexpr kda::KdaStateKernel kAllStateKernels[] = {kda::KdaStateKernel::KSplit, kda::KdaStateKernel::Unsplit,
+                                                    kda::KdaStateKernel::Specialized,
                                                     kda::KdaStateKernel::Original};
 
 // The records kda_chunked's phase 1 leaves, with room for these capacities: NaN at first,
@@ -370,6 +383,7 @@ void emulate_prep(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& works
 void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies,
                    kda::KdaStateKernel kernel) {
   const ChunkedParams p = kda::chunked::make_chunked_params(args, workspace.data());
+  using kda::chunked::SpecTraits;
   using kda::chunked::SplitTraits;
   using kda::chunked::StateTraits;
   for (int64_t seq = 0; seq < p.max_seqs; ++seq)
@@ -389,6 +403,10 @@ void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& work
           case kda::KdaStateKernel::Original:
             run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies,
                       [&](HostOps& ops, int tid) { kda::chunked::state_block(ops, p, seq, head, slice, tid); });
+            break;
+          case kda::KdaStateKernel::Specialized:
+            run_block(SpecTraits::kThreads, SpecTraits::kSmemBytes, late_copies,
+                      [&](HostOps& ops, int tid) { kda::chunked::state_block_spec(ops, p, seq, head, slice, tid); });
             break;
         }
       }
@@ -720,17 +738,23 @@ TEST_CASE("the emulated chunked kernels match the float64 reference on a varlen 
       emulate_state(after.back().args(), workspace, /*late_copies=*/bounded, kernel);
       check_against_reference(before, after.back(), ref);
     }
-    // Unsplit sums in the first form's order: the same bits. KSplit adds the two halves of the
+    // Unsplit and Specialized sum in the first form's order (Specialized's output warps on the
+    // state warps' very bf16 fragments): the same bits. KSplit adds the two halves of the
     // key channels at the end (and rounds U to bf16 from that sum), so it differs from the
     // first form in the last bits: about 3e-5 on o and 2e-5 on the states here, against 3e-3
     // and 3e-4 from float64.
     static_assert(kAllStateKernels[0] == kda::KdaStateKernel::KSplit &&
                       kAllStateKernels[1] == kda::KdaStateKernel::Unsplit &&
-                      kAllStateKernels[2] == kda::KdaStateKernel::Original,
+                      kAllStateKernels[2] == kda::KdaStateKernel::Specialized &&
+                      kAllStateKernels[3] == kda::KdaStateKernel::Original,
                   "the comparisons below name the kernels by position");
     const HostBatchData& original = after.back();
-    CHECK(after[1].o == original.o);
-    CHECK(std::memcmp(after[1].pool.data(), original.pool.data(), original.pool.size() * sizeof(float)) == 0);
+    for (size_t i : {size_t{1}, size_t{2}}) {
+      const std::string name = kernel_name(kAllStateKernels[i]);
+      CAPTURE(name);
+      CHECK(after[i].o == original.o);
+      CHECK(std::memcmp(after[i].pool.data(), original.pool.data(), original.pool.size() * sizeof(float)) == 0);
+    }
     const Worst w = compare_runs(before, after[0], original);
     MESSAGE("KSplit vs Original: worst o difference ", w.o, ", state ", w.state);
     CHECK(w.o < 5e-4);
