@@ -133,6 +133,22 @@ struct DeviceOps {
   }
 };
 
+// The barriers of a body whose warps reach them from role-dependent code (state_block_spec:
+// the state and the output warps call the block barrier, and the two ends of each named
+// barrier, at different instructions). bar.sync / bar.arrive / __syncthreads are the .aligned
+// forms, which require every participating thread to execute the same barrier instruction
+// (compute-sanitizer's synccheck reports "divergent threads" otherwise); the non-aligned
+// barrier.sync / barrier.arrive do not. Same semantics otherwise.
+struct DivergentBarrierOps : DeviceOps {
+  __device__ __forceinline__ void sync() const { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+  __device__ __forceinline__ void named_sync(int id, int threads) const {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
+  __device__ __forceinline__ void named_arrive(int id, int threads) const {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
+};
+
 template <bool kLowerBound>
 __global__ void __launch_bounds__(PrepTraits::kThreads, 2)
     kda_chunk_prep_kernel(const ChunkedParams p) {
@@ -159,7 +175,7 @@ __global__ void __launch_bounds__(SplitTraits<kKSplit>::kThreads, 1)
 __global__ void __launch_bounds__(SpecTraits::kThreads, 1)
     kda_chunk_state_spec_kernel(const ChunkedParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  DeviceOps ops{smem_raw};
+  DivergentBarrierOps ops{{smem_raw}};
   chunked::state_block_spec(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
 }
 
