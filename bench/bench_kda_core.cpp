@@ -1,7 +1,7 @@
 // Benchmark of the KDA core (spec steps 4 and 5: prep + gated delta rule): the token-by-token
 // kernel kda_prep_recurrence against the chunked tensor-core kernel kda_chunked, and the
 // chunked kernel's two phases alone, phase 2 once per state kernel (KdaStateKernel: KSplit,
-// Unsplit, the default, Original and Specialized, a row each, on the same records), on the
+// Unsplit, Original and Specialized, the default, a row each, on the same records), on the
 // shapes of docs/perf-notes-kda-core.md.
 //
 //   bench_kda_core [--quick] [--reps N] [--out FILE]
@@ -179,7 +179,7 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   rows.push_back({cs.name, "kda_prep_recurrence (token by token)",
                   median_us([&](cudaStream_t s) { kda::kda_prep_recurrence(a, s); }, stream, warmup, reps), 0.0,
                   4 * plane_bytes + b_bytes + state_bytes + plane_bytes});
-  rows.push_back({cs.name, "kda_chunked (default: Unsplit)",
+  rows.push_back({cs.name, "kda_chunked (default: Specialized)",
                   median_us([&](cudaStream_t s) { kda::kda_chunked(a, work.get(), work.bytes(), s); }, stream,
                             warmup, reps),
                   prep_flop + state_flop, 4 * plane_bytes + b_bytes + 2 * record_bytes + state_bytes + plane_bytes});
@@ -191,9 +191,9 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   // Phase 2 per state kernel, on the records of the phase-1 launches above.
   const std::pair<kda::KdaStateKernel, const char*> state_kernels[] = {
       {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit"},
-      {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit (default)"},
+      {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit"},
       {kda::KdaStateKernel::Original, "  phase 2 (state, o): Original"},
-      {kda::KdaStateKernel::Specialized, "  phase 2 (state, o): Specialized"},
+      {kda::KdaStateKernel::Specialized, "  phase 2 (state, o): Specialized (default)"},
   };
   for (const auto& [kernel, label] : state_kernels)
     rows.push_back({cs.name, label,

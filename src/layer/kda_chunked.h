@@ -51,18 +51,18 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 // channels; docs/perf-notes-kda-core.md):
 //   KSplit   two warps per 16 value rows, 64 key channels each, exchanging their partial U and
 //            O per chunk through shared memory;
-//   Unsplit  (default) the KSplit body with one warp per 16 value rows (its unrolled record
-//            copies and single barrier per chunk, no exchange). Measured on the H200: 599 us
-//            against KSplit's 651 for one 16384-token sequence at 12 heads (the case where
-//            phase 2 is the critical path), within 2% of it elsewhere, and bit-identical to
-//            Original;
+//   Unsplit  the KSplit body with one warp per 16 value rows (its unrolled record copies and
+//            single barrier per chunk, no exchange). Measured on the H200: 599 us against
+//            KSplit's 651 for one 16384-token sequence at 12 heads (the case where phase 2 is
+//            the critical path), within 2% of it elsewhere, and bit-identical to Original;
 //   Original the first kernel (one warp per 16 value rows and all 128 channels), kept for
 //            comparison;
-//   Specialized  Unsplit's work in two warps per 16 value rows: a state warp (S, U and the
-//            state update) and an output warp (O and the o rows), which gets the state warp's
-//            bf16 S0 and U fragments through shared memory; the state warp's chain per chunk
-//            drops from 148 bf16 + 128 tf32 mma to 64 + 128. Bit-identical to Unsplit and
-//            Original. Not measured on a GPU yet.
+//   Specialized  (default) Unsplit's work in two warps per 16 value rows: a state warp (S, U
+//            and the state update) and an output warp (O and the o rows), which gets the state
+//            warp's bf16 S0 and U fragments through shared memory; the state warp's chain per
+//            chunk drops from 148 bf16 + 64 fp16 mma to 64 + 64. Bit-identical to Unsplit and
+//            Original. Measured on the H200: 491 us against Unsplit's 531 (one 16384-token
+//            sequence, 12 heads), equal within 3% elsewhere.
 enum class KdaStateKernel { KSplit, Unsplit, Original, Specialized };
 
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
@@ -73,6 +73,6 @@ enum class KdaStateKernel { KSplit, Unsplit, Original, Specialized };
 // device, which opts the kernels into their shared-memory size).
 void kda_chunked(const PrepRecurrenceArgs& args, void* workspace, std::size_t workspace_bytes,
                  Stream stream, KdaChunkedPhases phases = KdaChunkedPhases::Both,
-                 KdaStateKernel state_kernel = KdaStateKernel::Unsplit);
+                 KdaStateKernel state_kernel = KdaStateKernel::Specialized);
 
 }  // namespace kda

@@ -23,8 +23,8 @@
 // Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
 // (slot, head) to the workspace.
-// Phase 2 (state_block_split, the default, near the end of this file: the same with two warps
-// per 16 value rows, one per half of the key channels; state_block, the first form): one
+// Phase 2 (state_block_split near the end of this file, Unsplit: the same with two warps
+// per 16 value rows, one per half of the key channels (KSplit); state_block, the first form): one
 // block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
 // transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
 // and walks the chunks in order; the chunk records are double-buffered in shared memory with
@@ -36,7 +36,8 @@
 // tiles read with ldmatrix .trans), which keeps the final state's error near 3e-4 instead of
 // the 3e-3 of bf16 operands.
 //
-// Phase 2, warp-specialized (state_block_spec, KdaStateKernel::Specialized, at the very end):
+// Phase 2, warp-specialized (state_block_spec, KdaStateKernel::Specialized, the default, at the
+// very end):
 // the same grid, records and stages with 4 warps per block; per value tile a state warp holds
 // S^T and computes U and the state update, and an output warp computes O and writes o from the
 // state warp's bf16 S0^T and U^T fragments, published through shared memory behind named
@@ -1078,8 +1079,9 @@ KDA_UNROLL
 
 
 // ---------------------------------------------------------------------------------------------
-// Phase 2, K-split form (state_block_split, the default). The first form above gives each warp
-// 16 value rows and all 128 key channels, so one warp carries a whole per-chunk chain of
+// Phase 2, K-split form (state_block_split: KSplit, and Unsplit with one slice). The first
+// form above gives each warp 16 value rows and all 128 key channels, so one warp carries a
+// whole per-chunk chain of
 // 276 mma.sync, 74 ldmatrix, 128 shared loads and ~80 cp.async with generic index math
 // (about 3.2 k instructions per chunk, issued one every ~2.2 cycles by the only warp of its
 // scheduler). Here kKSplit warps share the same 16 value rows, warp ks owning key channels
