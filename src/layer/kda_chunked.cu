@@ -71,6 +71,15 @@ struct DeviceOps {
                  : "r"(addr));
   }
 
+  // The same with .trans: r[m] receives (row 2t, column g) and (row 2t + 1, column g) of
+  // matrix m, low half first (the phase-1 solve reads row-major [token][column] tiles as
+  // column-major fragments with it).
+  __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+
   // d += a b (m16n8k16, bf16 in, fp32 accumulate).
   __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                       uint32_t b1) const {
