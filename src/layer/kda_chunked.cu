@@ -2,7 +2,7 @@
 // math and the block bodies are in kda_chunked_body.cuh; this file maps their thread-level
 // operations to the hardware (DeviceOps), defines the two kernels and the host launcher.
 //
-// Launches: phase 1 grid (chunk slots, H) x 256 threads, 109 KB of shared memory (two blocks
+// Launches: phase 1 grid (chunk slots, H) x 256 threads, 111 KB of shared memory (two blocks
 // per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 203 KB of
 // shared memory (KSplit: double-buffered chunk records and the exchange of partials) or 64
 // threads and 171 KB (Unsplit, Original). Both grids depend on capacities only (CUDA graph

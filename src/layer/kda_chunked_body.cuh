@@ -7,7 +7,7 @@
 // non-increasing; kept in log2 units, G = Gam * log2(e)):
 //   A_ij  = beta_j sum_c k_ic k_jc 2^(G_ic - G_jc)            (j < i, strictly lower)
 //   M'_ij = beta_j sum_c q_ic k_jc 2^(G_ic - G_jc)            (j <= i)
-//   (I + A) [W | Uv] = [k_i * 2^G_i | v_i]                    (forward substitution)
+//   (I + A) [W | Uv] = [k_i * 2^G_i | v_i]                    (unit lower-triangular solve)
 //   Qt_i = q_i * 2^G_i,  Kb'_j = beta_j k_j * 2^(G_C-1 - G_j),  gamma = 2^G_C-1
 //   U = Uv - W S0,  O = Qt S0 + M' U,  S_C = diag(gamma) S0 + Kb'^T U.
 // Only exponentials of non-positive numbers appear, so nothing overflows however strong the
@@ -22,7 +22,13 @@
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
 // Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
-// (slot, head) to the workspace.
+// (slot, head) to the workspace. Steps: 1 inputs, norms, decay, beta; 2 cumulative decay;
+// 3a Qt, Kb', gamma; 3b the diagonal 16 x 16 sub-blocks of A and M'; 4 the blocks below them;
+// 5 the solve on tensor cores, in transposed form as phase 2: each warp holds 32 columns of
+// X = [W | Uv] as X^T in tf32 m16n8k8 accumulators (W in warps 0..3, Uv in 4..7) and forms
+// X_I^T = (R_I^T - sum_{J<I} X_J^T A_IJ^T) (L_II^-1)^T per 16-token block I, the A operands
+// being its own accumulators (phase 2's k permutation), the B operands 8-byte pairs of A and
+// of the four diagonal blocks' inverses L_II^-1 - I (fp32, on CUDA cores, once per block).
 // Phase 2 (state_block_split, the default, at the end of this file: the same with two warps
 // per 16 value rows, one per half of the key channels; state_block, the first form): one
 // block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
@@ -187,11 +193,12 @@ __host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
 }
 
 // A 16-byte shared-memory load that stays one ld.shared.v4.f32 on the device. For loads at
-// compile-time addresses (the fully unrolled solve of phase 1) nvcc splits a plain float4 load
-// into scalar ld.shared.f32, four instructions instead of one; volatile keeps it ordered with
-// the barriers around it. It has no "memory" clobber, so the compiler may move ordinary
-// accesses across it: use it only for shared data that no thread writes between the barrier
-// before the read and the next one (the solve's A and rk, complete at "A is complete").
+// compile-time addresses (fully unrolled loops such as phase 1's inversion of the diagonal
+// blocks) nvcc splits a plain float4 load into scalar ld.shared.f32, four instructions instead
+// of one; volatile keeps it ordered with the barriers around it. It has no "memory" clobber,
+// so the compiler may move ordinary accesses across it: use it only for shared data that no
+// thread writes between the barrier before the read and the next one (A, complete at "A is
+// complete" and not written in step 5).
 __host__ __device__ __forceinline__ float4 lds_f4(const float* p) {
 #if defined(__CUDA_ARCH__)
   float4 v;
@@ -277,7 +284,11 @@ struct PrepTraits {
   static constexpr int kSolveCols = 32;                 // columns of X (rows of X^T) per warp
   static constexpr int kInvThreads = kSubBlocks * kSub; // one column of one diagonal block each
   static constexpr int kVPieces = kChunk * kHeadDim * 2 / 8;  // 8-byte pieces of the v tile
-  static constexpr bool kSplitUv = false;  // split tf32 operands in the Uv warps' solve
+  // Split tf32 operands (x = hi + lo, 3 mma per product) in the Uv warps' solve. Off: plain
+  // tf32 moves the emulated o / state errors by <= 1% / 5% (docs/perf-notes-kda-core.md,
+  // "Phase 1: tensor-core solve"), and the split form needs 84..96 bytes of spills at 128
+  // registers.
+  static constexpr bool kSplitUv = false;
   static_assert(kThreads == 4 * kChunk, "the load step gives each token row 4 threads");
   static_assert(kThreads / 32 * kSolveCols == 2 * kHeadDim,
                 "the solve gives each warp 32 of the 2 x 128 columns, W first, then Uv");
@@ -829,8 +840,9 @@ KDA_UNROLL
     }
   }
   SolveTile x;
-  const bool w_warp = warp < T::kThreads / 64;
-  const int c0 = T::kSolveCols * (w_warp ? warp : warp - T::kThreads / 64);
+  constexpr int kWWarps = kHeadDim / T::kSolveCols;  // warps 0..3: W, 4..7: Uv
+  const bool w_warp = warp < kWWarps;
+  const int c0 = T::kSolveCols * (w_warp ? warp : warp - kWWarps);
   if (w_warp) {
     // R^T of the W columns: k_i / ||k_i|| 2^G_i at element (column c, token i), in that order
     // of multiplication (as the CUDA-core solve did).
