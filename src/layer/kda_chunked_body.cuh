@@ -197,8 +197,8 @@ __host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
 // blocks) nvcc splits a plain float4 load into scalar ld.shared.f32, four instructions instead
 // of one; volatile keeps it ordered with the barriers around it. It has no "memory" clobber,
 // so the compiler may move ordinary accesses across it: use it only for shared data that no
-// thread writes between the barrier before the read and the next one (A, complete at "A is
-// complete" and not written in step 5).
+// thread writes between the barrier before the read and the next one (A's diagonal blocks,
+// complete at "A is complete" and not written in step 5).
 __host__ __device__ __forceinline__ float4 lds_f4(const float* p) {
 #if defined(__CUDA_ARCH__)
   float4 v;
@@ -284,18 +284,14 @@ struct PrepTraits {
   static constexpr int kSolveCols = 32;                 // columns of X (rows of X^T) per warp
   static constexpr int kInvThreads = kSubBlocks * kSub; // one column of one diagonal block each
   static constexpr int kVPieces = kChunk * kHeadDim * 2 / 8;  // 8-byte pieces of the v tile
-  // Split tf32 operands (x = hi + lo, 3 mma per product) in the Uv warps' solve. Off: plain
-  // tf32 moves the emulated o / state errors by <= 1% / 5% (docs/perf-notes-kda-core.md,
-  // "Phase 1: tensor-core solve"), and the split form needs 84..96 bytes of spills at 128
-  // registers.
-  static constexpr bool kSplitUv = false;
   static_assert(kThreads == 4 * kChunk, "the load step gives each token row 4 threads");
   static_assert(kThreads / 32 * kSolveCols == 2 * kHeadDim,
                 "the solve gives each warp 32 of the 2 x 128 columns, W first, then Uv");
   static_assert((kPitchA % 32 == 8 || kPitchA % 32 == 24) &&
                     (kPitchN % 32 == 8 || kPitchN % 32 == 24),
                 "the solve's 8-byte B pairs are conflict-free with these row pitches");
-  static_assert(kInvThreads <= kThreads - kThreads / 2, "the inversion runs on Uv warps");
+  static_assert(2 * kInvThreads == kThreads / 2,
+                "step 5a: the Uv warps round A (2 warps) and invert its diagonal blocks (2 warps)");
   static_assert(kVPieces % kThreads == 0 && kHeadDim * 2 / 8 == 32,
                 "the v tile: one 256-byte row per warp instruction, whole passes");
   static_assert(kThreads / 32 >= kSubBlocks - 1, "one warp per off-diagonal block of a row block");
@@ -458,65 +454,31 @@ KDA_UNROLL
 }
 
 // Step 5 of phase 1: the solve (I + A) X = R on tensor cores, in transposed form. With 16-token
-// blocks I = 0..3 and L_II = I + A_II (unit lower triangular),
-//   X_I^T = (R_I^T - sum_{J<I} X_J^T A_IJ^T) (L_II^-1)^T,
-// a warp owning 32 columns of X (32 rows of X^T) keeps its X^T tile in m16n8 accumulators:
+// blocks I = 0..3, L_II = I + A_II (unit lower triangular) and N_I = L_II^-1 - I,
+//   X_I^T = Y_I^T (L_II^-1)^T = Y_I^T + Y_I^T N_I^T,  Y_I^T = R_I^T - sum_{J<I} X_J^T A_IJ^T.
+// A warp owning 32 columns of X (32 rows of X^T) keeps its X^T tile in m16n8 accumulators:
 // x[mt][nt] holds rows c0 + 16 mt + (g, g + 8) and tokens 8 nt + (2t, 2t + 1) (c0, c1 row g;
 // c2, c3 row g + 8). Every product is a tf32 m16n8k8 whose A operand is such an accumulator
 // and whose B operand is a matrix M[i][j] of shared memory read as B(k = j, n = i).
 using SolveTile = float[2][kChunk / 8][4];
 
-__host__ __device__ __forceinline__ float bits_float(uint32_t bits) {
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
 // The m16k8 tf32 A fragment of sign * c for an accumulator tile c, the k index permuted as in
 // state_block's state update: k = t stands for token 2t and k = t + 4 for token 2t + 1 of the
 // n-tile, so a0 (g, k t) = c[0], a1 (g + 8, k t) = c[2], a2 (g, k t + 4) = c[1], a3 = c[3].
-// With kSplit, lo gets the fragment of the remainder (sign c - hi, exact in fp32): hi + lo
-// carries sign * c to ~2^-21 relative instead of tf32's 2^-11.
-template <bool kSplit>
 __host__ __device__ __forceinline__ void solve_a_frag(const float (&c)[4], float sign,
-                                                      uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const float v[4] = {sign * c[0], sign * c[2], sign * c[1], sign * c[3]};
-KDA_UNROLL
-  for (int e = 0; e < 4; ++e) {
-    hi[e] = tf32_bits(v[e]);
-    if constexpr (kSplit) lo[e] = tf32_bits(v[e] - bits_float(hi[e]));
-  }
+                                                      uint32_t (&a)[4]) {
+  a[0] = tf32_bits(sign * c[0]);
+  a[1] = tf32_bits(sign * c[2]);
+  a[2] = tf32_bits(sign * c[1]);
+  a[3] = tf32_bits(sign * c[3]);
 }
 
 // The B fragment (b0 (k t, n g), b1 (k t + 4, n g)) of an 8 x 8 block of M read as
 // B(k = j, n = i): with the k permutation above, b0 = M[i0 + g][j0 + 2t] and b1 the next float,
-// one 8-byte load from `pair` = &M[i0 + g][j0 + 2t]. Split as solve_a_frag.
-template <bool kSplit>
-__host__ __device__ __forceinline__ void solve_b_frag(const float* pair, uint32_t (&hi)[2],
-                                                      uint32_t (&lo)[2]) {
-  const float2 v = ld_as<float2>(pair);
-  hi[0] = tf32_bits(v.x);
-  hi[1] = tf32_bits(v.y);
-  if constexpr (kSplit) {
-    lo[0] = tf32_bits(v.x - bits_float(hi[0]));
-    lo[1] = tf32_bits(v.y - bits_float(hi[1]));
-  }
-}
-
-// d += a b in tf32; with kSplit as hi hi + lo hi + hi lo (the lo lo term, ~2^-42, is dropped),
-// small terms first.
-KDA_OPS_BODY
-template <bool kSplit, class Ops>
-__host__ __device__ __forceinline__ void solve_mma(Ops& ops, float (&d)[4],
-                                                   const uint32_t (&ah)[4],
-                                                   const uint32_t (&al)[4],
-                                                   const uint32_t (&bh)[2],
-                                                   const uint32_t (&bl)[2]) {
-  if constexpr (kSplit) {
-    ops.mma_tf32(d, al, bh[0], bh[1]);
-    ops.mma_tf32(d, ah, bl[0], bl[1]);
-  }
-  ops.mma_tf32(d, ah, bh[0], bh[1]);
+// one 8-byte load from `pair` = &M[i0 + g][j0 + 2t]. M holds tf32 values already (A's blocks
+// below the diagonal and N are rounded in step 5a), so the bits are the operands as they are.
+__host__ __device__ __forceinline__ uint2 solve_b_frag(const float* pair) {
+  return ld_as<uint2>(pair);
 }
 
 // A 64-token x 32-column bf16 tile of a [token][column] shared array (row pitch
@@ -548,11 +510,13 @@ KDA_UNROLL
   }
 }
 
-// The solve of one warp's X^T tile, from R^T in x to X^T in x. A (strictly lower, fp32) is
-// sm.A; nmat holds N_I = L_II^-1 - I (strictly lower) of the four diagonal blocks, rows
-// 16 I + i at pitch PrepTraits::kPitchN. kSplit: split tf32 operands (the Uv columns).
+// The solve of one warp's X^T tile, from R^T in x to X^T in x, right-looking: once block J of
+// X^T is final, its A fragments are formed once and its products go to every block below, so
+// each accumulator still receives its terms in ascending token order, and the updates of
+// different blocks are independent mma chains. A (strictly lower) is sm.A, N_I of the four
+// diagonal blocks is nmat (rows 16 I + i, pitch PrepTraits::kPitchN), both tf32-rounded.
 KDA_OPS_BODY
-template <bool kSplit, class Ops>
+template <class Ops>
 __host__ __device__ __forceinline__ void solve_tile(Ops& ops, const PrepSmem& sm,
                                                     const float* nmat, SolveTile& x, int lane) {
   constexpr int PA = PrepTraits::kPitchA, PN = PrepTraits::kPitchN;
@@ -560,44 +524,27 @@ __host__ __device__ __forceinline__ void solve_tile(Ops& ops, const PrepSmem& sm
   const float* a_lane = &sm.A[g][2 * t];
   const float* n_lane = nmat + g * PN + 2 * t;
 KDA_UNROLL
-  for (int I = 0; I < kSubBlocks; ++I) {
-    // Y_I^T = R_I^T - sum_{J<I} X_J^T A_IJ^T, in place: k-step kt < 2I is token n-tile kt of
-    // the finished X^T, n-tile 2I + ni takes B(k = j, n = i) = A[16 I + 8 ni + i'][8 kt + j'].
-KDA_UNROLL
-    for (int kt = 0; kt < 2 * I; ++kt) {
-      uint32_t ah[2][4], al[2][4];
-KDA_UNROLL
-      for (int mt = 0; mt < 2; ++mt) solve_a_frag<kSplit>(x[mt][kt], -1.0f, ah[mt], al[mt]);
-KDA_UNROLL
-      for (int ni = 0; ni < 2; ++ni) {
-        uint32_t bh[2], bl[2];
-        solve_b_frag<kSplit>(a_lane + (kSub * I + 8 * ni) * PA + 8 * kt, bh, bl);
-KDA_UNROLL
-        for (int mt = 0; mt < 2; ++mt)
-          solve_mma<kSplit>(ops, x[mt][2 * I + ni], ah[mt], al[mt], bh, bl);
-      }
-    }
-    // X_I^T = Y_I^T (L_II^-1)^T = Y_I^T + Y_I^T N_I^T: the identity part stays exact fp32.
-    // B(k = j, n = i) = N_I[i][j] is zero unless j < i, so the k-step of tokens 8..15 against
-    // the n-tile of tokens 0..7 is skipped.
+  for (int J = 0; J < kSubBlocks; ++J) {
+    // X_J^T = Y_J^T + Y_J^T N_J^T: the identity part stays exact fp32. B(k = j, n = i) =
+    // N_J[i][j] is zero unless j < i, so the k-step of tokens 8..15 against the n-tile of
+    // tokens 0..7 is skipped.
     float z[2][2][4];
 KDA_UNROLL
     for (int mt = 0; mt < 2; ++mt)
 KDA_UNROLL
       for (int ni = 0; ni < 2; ++ni)
 KDA_UNROLL
-        for (int e = 0; e < 4; ++e) z[mt][ni][e] = x[mt][2 * I + ni][e];
+        for (int e = 0; e < 4; ++e) z[mt][ni][e] = x[mt][2 * J + ni][e];
 KDA_UNROLL
     for (int s = 0; s < 2; ++s) {
-      uint32_t ah[2][4], al[2][4];
+      uint32_t a[2][4];
 KDA_UNROLL
-      for (int mt = 0; mt < 2; ++mt) solve_a_frag<kSplit>(x[mt][2 * I + s], 1.0f, ah[mt], al[mt]);
+      for (int mt = 0; mt < 2; ++mt) solve_a_frag(x[mt][2 * J + s], 1.0f, a[mt]);
 KDA_UNROLL
       for (int ni = s; ni < 2; ++ni) {
-        uint32_t bh[2], bl[2];
-        solve_b_frag<kSplit>(n_lane + (kSub * I + 8 * ni) * PN + 8 * s, bh, bl);
+        const uint2 b = solve_b_frag(n_lane + (kSub * J + 8 * ni) * PN + 8 * s);
 KDA_UNROLL
-        for (int mt = 0; mt < 2; ++mt) solve_mma<kSplit>(ops, z[mt][ni], ah[mt], al[mt], bh, bl);
+        for (int mt = 0; mt < 2; ++mt) ops.mma_tf32(z[mt][ni], a[mt], b.x, b.y);
       }
     }
 KDA_UNROLL
@@ -605,7 +552,27 @@ KDA_UNROLL
 KDA_UNROLL
       for (int ni = 0; ni < 2; ++ni)
 KDA_UNROLL
-        for (int e = 0; e < 4; ++e) x[mt][2 * I + ni][e] = z[mt][ni][e];
+        for (int e = 0; e < 4; ++e) x[mt][2 * J + ni][e] = z[mt][ni][e];
+    // Y_I^T -= X_J^T A_IJ^T for I > J: k-step kt is token n-tile kt of X_J^T (the -X_J
+    // fragment is exact up to the tf32 rounding), n-tile 2I + ni takes
+    // B(k = j, n = i) = A[16 I + 8 ni + i'][8 kt + j'].
+KDA_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      const int kt = 2 * J + s;
+      if (J + 1 >= kSubBlocks) break;
+      uint32_t a[2][4];
+KDA_UNROLL
+      for (int mt = 0; mt < 2; ++mt) solve_a_frag(x[mt][kt], -1.0f, a[mt]);
+KDA_UNROLL
+      for (int I = J + 1; I < kSubBlocks; ++I) {
+KDA_UNROLL
+        for (int ni = 0; ni < 2; ++ni) {
+          const uint2 b = solve_b_frag(a_lane + (kSub * I + 8 * ni) * PA + 8 * kt);
+KDA_UNROLL
+          for (int mt = 0; mt < 2; ++mt) ops.mma_tf32(x[mt][2 * I + ni], a[mt], b.x, b.y);
+        }
+      }
+    }
   }
 }
 
@@ -861,7 +828,7 @@ KDA_UNROLL
     // N_b = L_bb^-1 - I for diagonal block b, column cc, by forward substitution in fp32 on
     // L_bb y = e_cc: y_i = [i = cc] - sum_{j<i} A_ij y_j (y_j = 0 for j < cc). Only A's strictly
     // lower entries are read (the 16-byte loads' other lanes are ignored), and A is not written
-    // in step 5 (lds_f4's condition).
+    // in step 5 outside the blocks below the diagonal (lds_f4's condition).
     const int u = tid - (T::kThreads - T::kInvThreads), b = u / kSub, cc = u % kSub;
     const float* ab = &sm.A[kSub * b][kSub * b];
     float y[kSub];
@@ -880,7 +847,21 @@ KDA_UNROLL
     }
 KDA_UNROLL
     for (int i = 0; i < kSub; ++i)
-      st_as<float>(nmat + (kSub * b + i) * T::kPitchN + cc, i == cc ? 0.0f : y[i]);
+      st_as<float>(nmat + (kSub * b + i) * T::kPitchN + cc, i == cc ? 0.0f : tf32_round(y[i]));
+  } else {
+    // The blocks of A below the diagonal (rows 16.., columns [0, 16 (row / 16))) rounded to
+    // tf32 in place: the solve's B operands then need no conversion. Nobody reads them before
+    // the barrier below; the inversion reads only the diagonal blocks, which stay fp32.
+    constexpr int kQuads = (kChunk - kSub) / 4;  // 16-byte quads of a row's first 48 columns
+    constexpr int kRoundThreads = T::kThreads / 2 - T::kInvThreads;  // warps 4, 5
+    for (int e = tid - kWWarps * 32; e < (kChunk - kSub) * kQuads; e += kRoundThreads) {
+      const int r = kSub + e / kQuads, qd = e % kQuads;
+      if (4 * qd < kSub * (r / kSub)) {
+        float4 v = ld_as<float4>(&sm.A[r][4 * qd]);
+        v = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+        st_as<float4>(&sm.A[r][4 * qd], v);
+      }
+    }
   }
 KDA_UNROLL
   for (int k = 0; k < kVPasses; ++k) st_as<uint2>(&sm.q[warp + 8 * k][4 * lane], vp[k]);
@@ -891,7 +872,7 @@ KDA_UNROLL
   {
     const int g = lane >> 2, t = lane & 3;
     if (w_warp) {
-      solve_tile<false>(ops, sm, nmat, x, lane);
+      solve_tile(ops, sm, nmat, x, lane);
 KDA_UNROLL
       for (int mt = 0; mt < 2; ++mt)
 KDA_UNROLL
@@ -902,7 +883,7 @@ KDA_UNROLL
                 __float2bfloat16_rn(x[mt][nt][e]);
     } else {
       load_tile_t(ops, sm.q, c0, x, lane);
-      solve_tile<T::kSplitUv>(ops, sm, nmat, x, lane);
+      solve_tile(ops, sm, nmat, x, lane);
 KDA_UNROLL
       for (int mt = 0; mt < 2; ++mt)
 KDA_UNROLL
