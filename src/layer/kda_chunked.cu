@@ -170,7 +170,7 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<true>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(sizeof(PrepSmem))));
-  // Two prep blocks per SM need 2 x 110 KB: ask for the largest shared-memory carveout.
+  // Two prep blocks per SM need 2 x 112.25 KB: ask for the largest shared-memory carveout.
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<false>,
                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
                                                  cudaSharedmemCarveoutMaxShared));

@@ -311,7 +311,8 @@ struct alignas(16) PrepSmem {
   __nv_bfloat16 q[kChunk][PrepTraits::kPitchBf16];  // raw (un-normalised) bf16 inputs
   __nv_bfloat16 k[kChunk][PrepTraits::kPitchBf16];
   float G[kChunk][PrepTraits::kPitchG];             // log2 decay (cumulative after step 2), at g_col(c)
-  float A[kChunk][PrepTraits::kPitchA];             // beta_j-weighted, strictly lower
+  // beta_j-weighted, strictly lower; step 5a rounds the blocks below the diagonal to tf32.
+  float A[kChunk][PrepTraits::kPitchA];
   // Scaled bf16 mma operands (steps 3b, 4); in step 5 rows [0, 64) stage W and the rows from
   // 64 on hold the diagonal blocks' N (kSubBlocks x 16 x kPitchN floats).
   __nv_bfloat16 tmp[PrepTraits::kTmpRows][PrepTraits::kPitchBf16];
