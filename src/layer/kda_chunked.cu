@@ -2,7 +2,7 @@
 // math and the block bodies are in kda_chunked_body.cuh; this file maps their thread-level
 // operations to the hardware (DeviceOps), defines the two kernels and the host launcher.
 //
-// Launches: phase 1 grid (chunk slots, H) x 256 threads, 109 KB of shared memory (two blocks
+// Launches: phase 1 grid (chunk slots, H) x 256 threads, 111 KB of shared memory (two blocks
 // per SM); phase 2 grid (max_seqs, H, 4) with, by KdaStateKernel, 128 threads and 171 KB of
 // shared memory (KSplit: double-buffered chunk records and the exchange of partials), 128
 // threads and 151 KB (Specialized: the records and the exchange of S0 and U fragments) or 64
@@ -73,6 +73,15 @@ struct DeviceOps {
                  : "r"(addr));
   }
 
+  // The same with .trans: r[m] receives (row 2t, column g) and (row 2t + 1, column g) of
+  // matrix m, low half first (the phase-1 solve reads row-major [token][column] tiles as
+  // column-major fragments with it).
+  __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+
   // d += a b (m16n8k16, bf16 in, fp32 accumulate).
   __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                       uint32_t b1) const {
@@ -81,13 +90,6 @@ struct DeviceOps {
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  // ldmatrix x4 .trans: lanes 8m..8m+7 give the row addresses of 8 x 8 matrix m; r[m]
-  // receives (rows 2t, 2t + 1; column g) of it, row 2t in the low half.
-  __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) const {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
   }
   // d += a b (m16n8k16, fp16 in, fp32 accumulate).
   __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -126,11 +128,6 @@ struct DeviceOps {
   __device__ __forceinline__ void named_sync(int id, int threads) const {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   }
-  // Arrives at barrier `id` without waiting (a producer): its earlier memory accesses are
-  // performed for the threads that wait there once the barrier completes.
-  __device__ __forceinline__ void named_arrive(int id, int threads) const {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-  }
 };
 
 // The barriers of a body whose warps reach them from role-dependent code (state_block_spec:
@@ -144,6 +141,8 @@ struct DivergentBarrierOps : DeviceOps {
   __device__ __forceinline__ void named_sync(int id, int threads) const {
     asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   }
+  // Arrives at barrier `id` without waiting (a producer): its earlier memory accesses are
+  // performed for the threads that wait there once the barrier completes.
   __device__ __forceinline__ void named_arrive(int id, int threads) const {
     asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
   }
@@ -207,7 +206,7 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<true>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(sizeof(PrepSmem))));
-  // Two prep blocks per SM need 2 x 110 KB: ask for the largest shared-memory carveout.
+  // Two prep blocks per SM need 2 x 112.25 KB: ask for the largest shared-memory carveout.
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_prep_kernel<false>,
                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
                                                  cudaSharedmemCarveoutMaxShared));

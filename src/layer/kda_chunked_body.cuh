@@ -7,7 +7,7 @@
 // non-increasing; kept in log2 units, G = Gam * log2(e)):
 //   A_ij  = beta_j sum_c k_ic k_jc 2^(G_ic - G_jc)            (j < i, strictly lower)
 //   M'_ij = beta_j sum_c q_ic k_jc 2^(G_ic - G_jc)            (j <= i)
-//   (I + A) [W | Uv] = [k_i * 2^G_i | v_i]                    (forward substitution)
+//   (I + A) [W | Uv] = [k_i * 2^G_i | v_i]                    (unit lower-triangular solve)
 //   Qt_i = q_i * 2^G_i,  Kb'_j = beta_j k_j * 2^(G_C-1 - G_j),  gamma = 2^G_C-1
 //   U = Uv - W S0,  O = Qt S0 + M' U,  S_C = diag(gamma) S0 + Kb'^T U.
 // Only exponentials of non-positive numbers appear, so nothing overflows however strong the
@@ -22,7 +22,13 @@
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
 // Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
-// (slot, head) to the workspace.
+// (slot, head) to the workspace. Steps: 1 inputs, norms, decay, beta; 2 cumulative decay;
+// 3a Qt, Kb', gamma; 3b the diagonal 16 x 16 sub-blocks of A and M'; 4 the blocks below them;
+// 5 the solve on tensor cores, in transposed form as phase 2: each warp holds 32 columns of
+// X = [W | Uv] as X^T in tf32 m16n8k8 accumulators (W in warps 0..3, Uv in 4..7) and forms
+// X_I^T = (R_I^T - sum_{J<I} X_J^T A_IJ^T) (L_II^-1)^T per 16-token block I, the A operands
+// being its own accumulators (phase 2's k permutation), the B operands 8-byte pairs of A and
+// of the four diagonal blocks' inverses L_II^-1 - I (fp32, on CUDA cores, once per block).
 // Phase 2 (state_block_split near the end of this file, Unsplit: the same with two warps
 // per 16 value rows, one per half of the key channels (KSplit); state_block, the first form): one
 // block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
@@ -262,11 +268,12 @@ __host__ __device__ __forceinline__ void st_as(void* p, const T& v) {
 }
 
 // A 16-byte shared-memory load that stays one ld.shared.v4.f32 on the device. For loads at
-// compile-time addresses (the fully unrolled solve of phase 1) nvcc splits a plain float4 load
-// into scalar ld.shared.f32, four instructions instead of one; volatile keeps it ordered with
-// the barriers around it. It has no "memory" clobber, so the compiler may move ordinary
-// accesses across it: use it only for shared data that no thread writes between the barrier
-// before the read and the next one (the solve's A and rk, complete at "A is complete").
+// compile-time addresses (fully unrolled loops such as phase 1's inversion of the diagonal
+// blocks) nvcc splits a plain float4 load into scalar ld.shared.f32, four instructions instead
+// of one; volatile keeps it ordered with the barriers around it. It has no "memory" clobber,
+// so the compiler may move ordinary accesses across it: use it only for shared data that no
+// thread writes between the barrier before the read and the next one (A's diagonal blocks,
+// complete at "A is complete" and not written in step 5).
 __host__ __device__ __forceinline__ float4 lds_f4(const float* p) {
 #if defined(__CUDA_ARCH__)
   float4 v;
@@ -351,8 +358,24 @@ struct PrepTraits {
   static constexpr int kTriPairs = kHalf * (kHalf + 1) / 2;            // 36
   static_assert(kHalf == 8, "triangle_row knows the 8 x 8 triangle");
   static constexpr int kDiagItems = 2 * kSubBlocks * kTriPairs * 8;    // 2304
+  // Step 5 (the solve on tensor cores). A's rows are padded to 72 floats: the 8-byte B pairs
+  // of a half-warp (rows g = 0..3, columns 2t) then start 8 banks apart, conflict-free; the
+  // diagonal blocks' N = L^-1 - I (16 x 16 fp32 each) use 24-float rows for the same reason.
+  static constexpr int kPitchA = kChunk + 8;
+  static constexpr int kPitchN = kSub + 8;
+  static constexpr int kSolveCols = 32;                 // columns of X (rows of X^T) per warp
+  static constexpr int kInvThreads = kSubBlocks * kSub; // one column of one diagonal block each
+  static constexpr int kVPieces = kChunk * kHeadDim * 2 / 8;  // 8-byte pieces of the v tile
   static_assert(kThreads == 4 * kChunk, "the load step gives each token row 4 threads");
-  static_assert(kThreads == 2 * kHeadDim, "the solve gives each of the 2 x 128 columns a thread");
+  static_assert(kThreads / 32 * kSolveCols == 2 * kHeadDim,
+                "the solve gives each warp 32 of the 2 x 128 columns, W first, then Uv");
+  static_assert((kPitchA % 32 == 8 || kPitchA % 32 == 24) &&
+                    (kPitchN % 32 == 8 || kPitchN % 32 == 24),
+                "the solve's 8-byte B pairs are conflict-free with these row pitches");
+  static_assert(2 * kInvThreads == kThreads / 2,
+                "step 5a: the Uv warps round A (2 warps) and invert its diagonal blocks (2 warps)");
+  static_assert(kVPieces % kThreads == 0 && kHeadDim * 2 / 8 == 32,
+                "the v tile: one 256-byte row per warp instruction, whole passes");
   static_assert(kThreads / 32 >= kSubBlocks - 1, "one warp per off-diagonal block of a row block");
   static_assert(kThreads / 32 >= kSubBlocks, "one warp per diagonal quadrant");
   static_assert(kDiagItems % kThreads == 0, "diagonal items must give every thread the same count");
@@ -370,15 +393,22 @@ struct alignas(16) PrepSmem {
   __nv_bfloat16 q[kChunk][PrepTraits::kPitchBf16];  // raw (un-normalised) bf16 inputs
   __nv_bfloat16 k[kChunk][PrepTraits::kPitchBf16];
   float G[kChunk][PrepTraits::kPitchG];             // log2 decay (cumulative after step 2), at g_col(c)
-  float A[kChunk][kChunk];                          // beta_j-weighted, strictly lower
-  __nv_bfloat16 tmp[PrepTraits::kTmpRows][PrepTraits::kPitchBf16];  // scaled bf16 mma operands
+  // beta_j-weighted, strictly lower; step 5a rounds the blocks below the diagonal to tf32.
+  float A[kChunk][PrepTraits::kPitchA];
+  // Scaled bf16 mma operands (steps 3b, 4); in step 5 rows [0, 64) stage W and the rows from
+  // 64 on hold the diagonal blocks' N (kSubBlocks x 16 x kPitchN floats).
+  __nv_bfloat16 tmp[PrepTraits::kTmpRows][PrepTraits::kPitchBf16];
   float rq[kChunk];  // q scale: 128^-0.5 / ||q||
   float rk[kChunk];  // 1 / ||k||
   float beta[kChunk];
 };
 static_assert(sizeof(PrepSmem) <= 113 * 1024, "two prep blocks must fit on an SM");
-static_assert(offsetof(PrepSmem, A) % 16 == 0 && offsetof(PrepSmem, rk) % 16 == 0,
-              "the solve reads A and rk with 16-byte loads");
+static_assert(offsetof(PrepSmem, A) % 16 == 0 && PrepTraits::kPitchA % 4 == 0,
+              "the inversion reads A's rows with 16-byte loads");
+static_assert(offsetof(PrepSmem, tmp) % 16 == 0 &&
+                  (kChunk * PrepTraits::kPitchBf16 * 2 +
+                   kSubBlocks * kSub * PrepTraits::kPitchN * 4) <= sizeof(PrepSmem::tmp),
+              "step 5's W stage and N fit in tmp");
 
 // Channels [8 ch, 8 ch + 8) of a bf16 row (one 16-byte load) and of a G row (two), as floats.
 __host__ __device__ __forceinline__ void load_bf16x8(const __nv_bfloat16* row, int ch,
@@ -524,6 +554,129 @@ KDA_UNROLL
   st_as<uint32_t>(mp + i * kChunk + j, pack_bf16(acc[2] * b0, acc[3] * b1));
 }
 
+// Step 5 of phase 1: the solve (I + A) X = R on tensor cores, in transposed form. With 16-token
+// blocks I = 0..3, L_II = I + A_II (unit lower triangular) and N_I = L_II^-1 - I,
+//   X_I^T = Y_I^T (L_II^-1)^T = Y_I^T + Y_I^T N_I^T,  Y_I^T = R_I^T - sum_{J<I} X_J^T A_IJ^T.
+// A warp owning 32 columns of X (32 rows of X^T) keeps its X^T tile in m16n8 accumulators:
+// x[mt][nt] holds rows c0 + 16 mt + (g, g + 8) and tokens 8 nt + (2t, 2t + 1) (c0, c1 row g;
+// c2, c3 row g + 8). Every product is a tf32 m16n8k8 whose A operand is such an accumulator
+// and whose B operand is a matrix M[i][j] of shared memory read as B(k = j, n = i).
+using SolveTile = float[2][kChunk / 8][4];
+
+// The m16k8 tf32 A fragment of sign * c for an accumulator tile c, the k index permuted as in
+// state_block's state update: k = t stands for token 2t and k = t + 4 for token 2t + 1 of the
+// n-tile, so a0 (g, k t) = c[0], a1 (g + 8, k t) = c[2], a2 (g, k t + 4) = c[1], a3 = c[3].
+__host__ __device__ __forceinline__ void solve_a_frag(const float (&c)[4], float sign,
+                                                      uint32_t (&a)[4]) {
+  a[0] = tf32_bits(sign * c[0]);
+  a[1] = tf32_bits(sign * c[2]);
+  a[2] = tf32_bits(sign * c[1]);
+  a[3] = tf32_bits(sign * c[3]);
+}
+
+// The B fragment (b0 (k t, n g), b1 (k t + 4, n g)) of an 8 x 8 block of M read as
+// B(k = j, n = i): with the k permutation above, b0 = M[i0 + g][j0 + 2t] and b1 the next float,
+// one 8-byte load from `pair` = &M[i0 + g][j0 + 2t]. M holds tf32 values already (A's blocks
+// below the diagonal and N are rounded in step 5a), so the bits are the operands as they are.
+__host__ __device__ __forceinline__ uint2 solve_b_frag(const float* pair) {
+  return ld_as<uint2>(pair);
+}
+
+// A 64-token x 32-column bf16 tile of a [token][column] shared array (row pitch
+// PrepTraits::kPitchBf16), columns [c0, c0 + 32), into the X^T accumulator layout: ldmatrix
+// .trans matrix m of (mt, np) covers tokens 16 np + 8 (m >> 1).. and columns
+// c0 + 16 mt + 8 (m & 1)..; r[m] = (token 2t, column g), (token 2t + 1, column g) of it are
+// x[mt][2 np + (m >> 1)][2 (m & 1)] and [.. + 1].
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void load_tile_t(Ops& ops,
+                                                     const __nv_bfloat16 (*tile)[PrepTraits::kPitchBf16],
+                                                     int c0, SolveTile& x, int lane) {
+  constexpr uint32_t kRowBytes = PrepTraits::kPitchBf16 * 2;
+  const int m = lane >> 3, r8 = lane & 7;
+  const uint32_t base = ops.smem_addr(&tile[8 * (m >> 1) + r8][c0 + 8 * (m & 1)]);
+KDA_UNROLL
+  for (int mt = 0; mt < 2; ++mt) {
+KDA_UNROLL
+    for (int np = 0; np < kChunk / 16; ++np) {
+      uint32_t r[4];
+      ops.ldsm_x4_trans(r, base + mt * 32 + np * 16 * kRowBytes);
+KDA_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        float* c = x[mt][2 * np + (q >> 1)] + 2 * (q & 1);
+        c[0] = bf16_low(r[q]);
+        c[1] = bf16_high(r[q]);
+      }
+    }
+  }
+}
+
+// The solve of one warp's X^T tile, from R^T in x to X^T in x, right-looking: once block J of
+// X^T is final, its A fragments are formed once and its products go to every block below, so
+// each accumulator still receives its terms in ascending token order, and the updates of
+// different blocks are independent mma chains. A (strictly lower) is sm.A, N_I of the four
+// diagonal blocks is nmat (rows 16 I + i, pitch PrepTraits::kPitchN), both tf32-rounded.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void solve_tile(Ops& ops, const PrepSmem& sm,
+                                                    const float* nmat, SolveTile& x, int lane) {
+  constexpr int PA = PrepTraits::kPitchA, PN = PrepTraits::kPitchN;
+  const int g = lane >> 2, t = lane & 3;
+  const float* a_lane = &sm.A[g][2 * t];
+  const float* n_lane = nmat + g * PN + 2 * t;
+KDA_UNROLL
+  for (int J = 0; J < kSubBlocks; ++J) {
+    // X_J^T = Y_J^T + Y_J^T N_J^T: the identity part stays exact fp32. B(k = j, n = i) =
+    // N_J[i][j] is zero unless j < i, so the k-step of tokens 8..15 against the n-tile of
+    // tokens 0..7 is skipped.
+    float z[2][2][4];
+KDA_UNROLL
+    for (int mt = 0; mt < 2; ++mt)
+KDA_UNROLL
+      for (int ni = 0; ni < 2; ++ni)
+KDA_UNROLL
+        for (int e = 0; e < 4; ++e) z[mt][ni][e] = x[mt][2 * J + ni][e];
+KDA_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      uint32_t a[2][4];
+KDA_UNROLL
+      for (int mt = 0; mt < 2; ++mt) solve_a_frag(x[mt][2 * J + s], 1.0f, a[mt]);
+KDA_UNROLL
+      for (int ni = s; ni < 2; ++ni) {
+        const uint2 b = solve_b_frag(n_lane + (kSub * J + 8 * ni) * PN + 8 * s);
+KDA_UNROLL
+        for (int mt = 0; mt < 2; ++mt) ops.mma_tf32(z[mt][ni], a[mt], b.x, b.y);
+      }
+    }
+KDA_UNROLL
+    for (int mt = 0; mt < 2; ++mt)
+KDA_UNROLL
+      for (int ni = 0; ni < 2; ++ni)
+KDA_UNROLL
+        for (int e = 0; e < 4; ++e) x[mt][2 * J + ni][e] = z[mt][ni][e];
+    // Y_I^T -= X_J^T A_IJ^T for I > J: k-step kt is token n-tile kt of X_J^T (the -X_J
+    // fragment is exact up to the tf32 rounding), n-tile 2I + ni takes
+    // B(k = j, n = i) = A[16 I + 8 ni + i'][8 kt + j'].
+KDA_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      const int kt = 2 * J + s;
+      if (J + 1 >= kSubBlocks) break;
+      uint32_t a[2][4];
+KDA_UNROLL
+      for (int mt = 0; mt < 2; ++mt) solve_a_frag(x[mt][kt], -1.0f, a[mt]);
+KDA_UNROLL
+      for (int I = J + 1; I < kSubBlocks; ++I) {
+KDA_UNROLL
+        for (int ni = 0; ni < 2; ++ni) {
+          const uint2 b = solve_b_frag(a_lane + (kSub * I + 8 * ni) * PA + 8 * kt);
+KDA_UNROLL
+          for (int mt = 0; mt < 2; ++mt) ops.mma_tf32(x[mt][2 * I + ni], a[mt], b.x, b.y);
+        }
+      }
+    }
+  }
+}
+
 // One (chunk slot, head) of phase 1, as thread `tid` of 256. Every exit is uniform over the
 // block (it depends on the slot and on metadata all threads read alike), so all threads
 // reach every barrier.
@@ -608,10 +761,8 @@ KDA_UNROLL
       sm.beta[row] =
           real ? sigmoid_f(__bfloat162float(p.b[(begin + row) * p.b_stride + head])) : 0.0f;
     }
-    // A's upper part is read (and ignored) by the solve's 4-wide loads; M' is stored whole
-    // with zeros above the diagonal, which phase 2 relies on inside the diagonal tiles.
-    for (int e = tid; e < kChunk * kChunk / 4; e += T::kThreads)
-      st_as<float4>(&sm.A[0][0] + 4 * e, make_float4(0.f, 0.f, 0.f, 0.f));
+    // M' is stored whole with zeros above the diagonal, which phase 2 relies on inside the
+    // diagonal tiles. (A needs no fill: step 5 reads only its strictly lower entries.)
     for (int e = tid; e < kChunk * kChunk / 8; e += T::kThreads)
       st_as<uint4>(rec_mp + 8 * e, make_uint4(0u, 0u, 0u, 0u));
   }
@@ -735,48 +886,117 @@ KDA_UNROLL
   }
   ops.sync();  // A is complete
 
-  // Step 5: forward substitution (I + A) x = rhs, one column per thread: columns [0, 128) are
-  // k * 2^G (giving W), [128, 256) are v (giving Uv). Fully unrolled so x stays in registers.
-  float x[kChunk];
-  const int col = tid;
-  if (col < kHeadDim) {
-    const int gc = g_col(col);
+  // Step 5: the solve (I + A) [W | Uv] = [k * 2^G | v] on tensor cores (solve_tile). Warps
+  // 0..3 take 32 W columns each (channels 32 w..), warps 4..7 32 Uv columns each (values
+  // 32 (w - 4)..). q and tmp are free from here on: v is staged in sm.q (rows past the chunk's
+  // end zero), N of the diagonal blocks and then W in tmp.
+  // 5a: the v tile's 8-byte pieces (one 256-byte row per warp instruction) are loaded first,
+  // their latency hidden behind the W warps' right-hand sides and the inversion.
+  constexpr int kVPasses = T::kVPieces / T::kThreads;
+  float* nmat = reinterpret_cast<float*>(&sm.tmp[kChunk][0]);
+  uint2 vp[kVPasses];
+  {
+    const __nv_bfloat16* vsrc = p.v + begin * p.qkv_stride + static_cast<int64_t>(head) * kHeadDim;
 KDA_UNROLL
-    for (int i = 0; i < kChunk; i += 4) {
-      const float4 r4 = lds_f4(&sm.rk[i]);
-      const float rk4[4] = {r4.x, r4.y, r4.z, r4.w};
-KDA_UNROLL
-      for (int e = 0; e < 4; ++e)
-        x[i + e] = __bfloat162float(sm.k[i + e][col]) * rk4[e] * exp2f(sm.G[i + e][gc]);
+    for (int k = 0; k < kVPasses; ++k) {
+      const int row = warp + 8 * k;
+      vp[k] = row < len ? ld_as<uint2>(vsrc + row * p.qkv_stride + 4 * lane) : make_uint2(0u, 0u);
     }
-  } else {
-    const __nv_bfloat16* vsrc =
-        p.v + begin * p.qkv_stride + static_cast<int64_t>(head) * kHeadDim + (col - kHeadDim);
+  }
+  SolveTile x;
+  constexpr int kWWarps = kHeadDim / T::kSolveCols;  // warps 0..3: W, 4..7: Uv
+  const bool w_warp = warp < kWWarps;
+  const int c0 = T::kSolveCols * (w_warp ? warp : warp - kWWarps);
+  if (w_warp) {
+    // R^T of the W columns: k_i / ||k_i|| 2^G_i at element (column c, token i), in that order
+    // of multiplication (as the CUDA-core solve did).
+    load_tile_t(ops, sm.k, c0, x, lane);
+    const int g = lane >> 2, t = lane & 3;
 KDA_UNROLL
-    for (int i = 0; i < kChunk; ++i)
-      x[i] = i < len ? __bfloat162float(vsrc[i * p.qkv_stride]) : 0.0f;
+    for (int mt = 0; mt < 2; ++mt)
+KDA_UNROLL
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+KDA_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int i = 8 * nt + 2 * t + (e & 1), c = c0 + 16 * mt + g + 8 * (e >> 1);
+          x[mt][nt][e] = x[mt][nt][e] * sm.rk[i] * exp2_nonpos(sm.G[i][g_col(c)]);
+        }
+  } else if (tid >= T::kThreads - T::kInvThreads) {
+    // N_b = L_bb^-1 - I for diagonal block b, column cc, by forward substitution in fp32 on
+    // L_bb y = e_cc: y_i = [i = cc] - sum_{j<i} A_ij y_j (y_j = 0 for j < cc). Only A's strictly
+    // lower entries are read (the 16-byte loads' other lanes are ignored), and A is not written
+    // in step 5 outside the blocks below the diagonal (lds_f4's condition).
+    const int u = tid - (T::kThreads - T::kInvThreads), b = u / kSub, cc = u % kSub;
+    const float* ab = &sm.A[kSub * b][kSub * b];
+    float y[kSub];
+KDA_UNROLL
+    for (int i = 0; i < kSub; ++i) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+KDA_UNROLL
+      for (int j0 = 0; j0 < i; j0 += 4) {
+        const float4 a = lds_f4(ab + i * T::kPitchA + j0);
+        acc[0] = fmaf(a.x, y[j0], acc[0]);
+        if (j0 + 1 < i) acc[1] = fmaf(a.y, y[j0 + 1], acc[1]);
+        if (j0 + 2 < i) acc[2] = fmaf(a.z, y[j0 + 2], acc[2]);
+        if (j0 + 3 < i) acc[3] = fmaf(a.w, y[j0 + 3], acc[3]);
+      }
+      y[i] = (i == cc ? 1.0f : 0.0f) - ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    }
+KDA_UNROLL
+    for (int i = 0; i < kSub; ++i)
+      st_as<float>(nmat + (kSub * b + i) * T::kPitchN + cc, i == cc ? 0.0f : tf32_round(y[i]));
+  } else {
+    // The blocks of A below the diagonal (rows 16.., columns [0, 16 (row / 16))) rounded to
+    // tf32 in place: the solve's B operands then need no conversion. Nobody reads them before
+    // the barrier below; the inversion reads only the diagonal blocks, which stay fp32.
+    constexpr int kQuads = (kChunk - kSub) / 4;  // 16-byte quads of a row's first 48 columns
+    constexpr int kRoundThreads = T::kThreads / 2 - T::kInvThreads;  // warps 4, 5
+    for (int e = tid - kWWarps * 32; e < (kChunk - kSub) * kQuads; e += kRoundThreads) {
+      const int r = kSub + e / kQuads, qd = e % kQuads;
+      if (4 * qd < kSub * (r / kSub)) {
+        float4 v = ld_as<float4>(&sm.A[r][4 * qd]);
+        v = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+        st_as<float4>(&sm.A[r][4 * qd], v);
+      }
+    }
   }
 KDA_UNROLL
-  for (int i = 1; i < kChunk; ++i) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k = 0; k < kVPasses; ++k) st_as<uint2>(&sm.q[warp + 8 * k][4 * lane], vp[k]);
+  ops.sync();  // v and N are in place
+
+  // 5b: the Uv warps' right-hand sides, the solves, the outputs: UvT [v][i] fp32 straight from
+  // the accumulators (8-byte stores of tokens 2t, 2t + 1), W as bf16 to tmp rows [0, 64).
+  {
+    const int g = lane >> 2, t = lane & 3;
+    if (w_warp) {
+      solve_tile(ops, sm, nmat, x, lane);
 KDA_UNROLL
-    for (int j0 = 0; j0 < i; j0 += 4) {
-      const float4 a = lds_f4(&sm.A[i][j0]);  // one 16-byte broadcast per 4 entries
-      acc[0] = fmaf(a.x, x[j0], acc[0]);
-      if (j0 + 1 < i) acc[1] = fmaf(a.y, x[j0 + 1], acc[1]);
-      if (j0 + 2 < i) acc[2] = fmaf(a.z, x[j0 + 2], acc[2]);
-      if (j0 + 3 < i) acc[3] = fmaf(a.w, x[j0 + 3], acc[3]);
+      for (int mt = 0; mt < 2; ++mt)
+KDA_UNROLL
+        for (int nt = 0; nt < kChunk / 8; ++nt)
+KDA_UNROLL
+          for (int e = 0; e < 4; ++e)
+            sm.tmp[8 * nt + 2 * t + (e & 1)][c0 + 16 * mt + g + 8 * (e >> 1)] =
+                __float2bfloat16_rn(x[mt][nt][e]);
+    } else {
+      load_tile_t(ops, sm.q, c0, x, lane);
+      solve_tile(ops, sm, nmat, x, lane);
+KDA_UNROLL
+      for (int mt = 0; mt < 2; ++mt)
+KDA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          float* dst = rec_uvt + (c0 + 16 * mt + g + 8 * h) * kChunk + 2 * t;
+KDA_UNROLL
+          for (int nt = 0; nt < kChunk / 8; ++nt)
+            st_as<float2>(dst + 8 * nt, make_float2(x[mt][nt][2 * h], x[mt][nt][2 * h + 1]));
+        }
     }
-    x[i] -= (acc[0] + acc[1]) + (acc[2] + acc[3]);
   }
-  if (col < kHeadDim) {
-KDA_UNROLL
-    for (int i = 0; i < kChunk; ++i) rec_w[i * kHeadDim + col] = __float2bfloat16_rn(x[i]);
-  } else {
-    float* dst = rec_uvt + (col - kHeadDim) * kChunk;
-KDA_UNROLL
-    for (int i = 0; i < kChunk; i += 4)
-      st_as<float4>(dst + i, make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]));
+  ops.sync();  // W is staged
+  // W rows to the record, 16-byte pieces (16 per 256-byte row), coalesced.
+  for (int e = tid; e < kChunk * T::kChunks8; e += T::kThreads) {
+    const int row = e / T::kChunks8, ch = e % T::kChunks8;
+    st_as<uint4>(rec_w + row * kHeadDim + 8 * ch, ld_as<uint4>(&sm.tmp[row][8 * ch]));
   }
 }
 

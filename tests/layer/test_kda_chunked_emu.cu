@@ -203,11 +203,6 @@ struct HostOps {
     if (in_smem(offset, 4)) std::memcpy(&w, blk->base() + offset, 4);
     return w;
   }
-  uint32_t load16(uint32_t offset) {
-    uint16_t h = 0;
-    if (in_smem(offset, 2)) std::memcpy(&h, blk->base() + offset, 2);
-    return h;
-  }
 
 
   // ldmatrix x4: lane 8m + i gives the address of row i of matrix m.
@@ -220,21 +215,25 @@ struct HostOps {
     for (int m = 0; m < 4; ++m) r[m] = load32(s.u[8 * m + g][0] + 4 * t);
   }
 
+  uint16_t load16(uint32_t offset) {
+    uint16_t h = 0;
+    if (in_smem(offset, 2)) std::memcpy(&h, blk->base() + offset, 2);
+    return h;
+  }
 
-  // ldmatrix x4 .trans: lane 8m + i gives the address of row i of matrix m; r[m] gets
-  // (rows 2t, 2t + 1; column g), row 2t in the low half.
+  // ldmatrix x4 .trans: the same row addresses; r[m] receives (row 2t, column g) of matrix m
+  // in its low half and (row 2t + 1, column g) in its high half.
   void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
     if (addr % 16 != 0) blk->error("ldmatrix row address not 16-byte aligned");
     WarpSlot& s = slot();
     s.u[lane()][0] = addr;
     warp_wait();
     const int g = lane() >> 2, t = lane() & 3;
-    for (int m = 0; m < 4; ++m) {
-      const uint32_t lo = load16(s.u[8 * m + 2 * t][0] + 2 * g);
-      const uint32_t hi = load16(s.u[8 * m + 2 * t + 1][0] + 2 * g);
-      r[m] = lo | (hi << 16);
-    }
+    for (int m = 0; m < 4; ++m)
+      r[m] = uint32_t{load16(s.u[8 * m + 2 * t][0] + 2 * g)} |
+             uint32_t{load16(s.u[8 * m + 2 * t + 1][0] + 2 * g)} << 16;
   }
+
 
   // mma.sync m16n8k16 row.col bf16 -> fp32: every lane publishes its fragments, then computes
   // its own four outputs from the whole warp's.
