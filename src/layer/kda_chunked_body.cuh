@@ -1432,23 +1432,27 @@ KDA_OPS_BODY
 template <int kThreads, class Ops>
 __host__ __device__ __forceinline__ StagePipe start_stages(Ops& ops, const ChunkedParams& p,
                                                            int64_t first, int head, int vbase,
-                                                           int tid) {
+                                                           int tid, bool copies = true) {
   StagePipe s{record_of(p, first, head), static_cast<int64_t>(p.num_heads) * Record::kBytes,
               ops.smem_addr(ops.smem()), ops.smem(), vbase};
-  load_stage_unrolled<kThreads>(ops, s.base, s.rec, vbase, tid);
-  ops.cp_commit();
+  if (copies) {
+    load_stage_unrolled<kThreads>(ops, s.base, s.rec, vbase, tid);
+    ops.cp_commit();
+  }
   return s;
 }
 
 KDA_OPS_BODY
 template <int kThreads, class Ops>
 __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, int64_t n,
-                                                      int64_t nchunks, int tid) {
+                                                      int64_t nchunks, int tid,
+                                                      bool copies = true) {
   using S = StateTraits;
-  ops.cp_wait_all();  // this thread's pieces of chunk n have landed
-  // ... and everyone's; everyone is also done with chunk n - 1, whose stage is refilled next.
+  if (copies) ops.cp_wait_all();  // this thread's pieces of chunk n have landed
+  // ... and every copier's; everyone is also done with chunk n - 1, whose stage is refilled
+  // next. (Threads with copies == false issue no copies: kThreads of the others do them all.)
   ops.sync();
-  if (n + 1 < nchunks) {
+  if (copies && n + 1 < nchunks) {
     s.rec += s.rec_step;
     load_stage_unrolled<kThreads>(ops, s.base + ((n + 1) & 1) * S::kStageBytes, s.rec, s.vbase,
                                   tid);
@@ -1771,6 +1775,7 @@ struct SpecTraits {
   static constexpr int kXchg = 2 * StateTraits::kStageBytes;
   static constexpr int kSmemBytes = kXchg + kValueTiles * kXchgTileBytes;
   static constexpr int kPairThreads = 64;  // named barriers of a tile's state and output warp
+  static constexpr int kCopyThreads = 32 * kValueTiles;  // the output warps copy the records
   static_assert(kColumns == StateTraits::kColumns, "the stage layout is StateTraits'");
   static_assert(kXchg % 16 == 0 && kSmemBytes <= 227 * 1024, "spec layout");
   static_assert(kValueTiles == 2, "the exchange names barriers 1 .. 4, two per value tile");
@@ -1799,7 +1804,8 @@ __host__ __device__ __forceinline__ void spec_state_warp(Ops& ops, const Chunked
 
 KDA_UNROLL_1
   for (int64_t n = 0; n < walk.nchunks; ++n) {
-    const Stage st_n = enter_chunk<T::kThreads>(ops, pipe, n, walk.nchunks, tid);
+    const Stage st_n =
+        enter_chunk<T::kCopyThreads>(ops, pipe, n, walk.nchunks, 0, /*copies=*/false);
     const float* uvt = reinterpret_cast<const float*>(st_n.ptr + S::kUvT);
 
     // sf, published for O (the output warp may read it once barrier 1 + vt completes).
@@ -1872,7 +1878,8 @@ __host__ __device__ __forceinline__ void spec_output_warp(Ops& ops, const Chunke
 
 KDA_UNROLL_1
   for (int64_t n = 0; n < walk.nchunks; ++n) {
-    const Stage st_n = enter_chunk<T::kThreads>(ops, pipe, n, walk.nchunks, tid);
+    const Stage st_n =
+        enter_chunk<T::kCopyThreads>(ops, pipe, n, walk.nchunks, tid - T::kCopyThreads);
 
     // oa = O^T = S0^T Qt^T, per accumulator the k-steps kk in Unsplit's order.
     float oa[kChunk / 8][4];
@@ -1927,8 +1934,13 @@ __host__ __device__ __forceinline__ void state_block_spec(Ops& ops, const Chunke
   const int vbase = slice * T::kColumns;
   const int v0 = vbase + vt * S::kRowsPerWarp;
   unsigned char* xchg = ops.smem() + T::kXchg + vt * T::kXchgTileBytes + lane * 16;
-  StagePipe pipe = start_stages<T::kThreads>(ops, p, walk.first, head, vbase, tid);
-  if (warp < T::kValueTiles)
+  // The output warps copy the records alone (kCopyThreads = their 64 threads, thread index
+  // tid - kCopyThreads): the state warps' stream, the recurrence's critical path, then carries
+  // no cp.async and no copy address arithmetic.
+  const bool copier = warp >= T::kValueTiles;
+  StagePipe pipe = start_stages<T::kCopyThreads>(ops, p, walk.first, head, vbase,
+                                                 tid - T::kCopyThreads, copier);
+  if (!copier)
     spec_state_warp(ops, p, walk, pipe, seq, head, vt, v0, xchg, tid);
   else
     spec_output_warp(ops, p, walk, pipe, head, vt, v0, xchg, tid);
