@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Shared-memory traffic of one phase-1 block (kda_chunk_prep_kernel, one chunk and head),
 counted from the access patterns of prep_block (src/layer/kda_chunked_body.cuh), before and
-after the diagonal split / vectorisation ("old" = commit efdb538, "new" = the code since the phase-1 rework, measured 652 -> 556 us on the H200).
+after the diagonal split / vectorisation ("old" = commit efdb538, "new" = the code of the
+phase-1 rework, measured 652 -> 556 us on the H200). Session 4 replaced step 5 (the solve) by a
+tensor-core form and stored Kb' in fp16: "new"'s steps 3a and 5 no longer describe the current
+code (the other steps still do).
 
 For every warp-level shared access the model lists each active lane's byte address and width
 and counts wavefronts the usual way: 32 banks of 4 bytes; 4-byte (and narrower) accesses are
