@@ -6,12 +6,12 @@
 // Two launches on the caller's stream:
 //   1. prep, one block per (chunk slot, head), all in parallel: per-token prep, the cumulative
 //      log decay inside the chunk, A = strictly lower (beta_j k_i.k_j decayed), the solve of
-//      (I + A) [W | Uv] = [k * exp(Gam) | v], and the products that need no state. It writes one
-//      record per (chunk slot, head) to the workspace.
+//      (I + A) [W | Uv] = [k * exp(Gam) | v] (blocked, tf32 tensor cores), and the products
+//      that need no state. It writes one record per (chunk slot, head) to the workspace.
 //   2. state, one block per (sequence, head, 32-column value slice): carries the state across
 //      the sequence's chunks in registers (fp32), O on bf16 and the state update on fp16
-//      tensor cores (rows of U scaled into fp16's range); by default one warp per 16 value rows and all 128 key channels
-//      (Unsplit; the other forms in KdaStateKernel).
+//      tensor cores (rows of U scaled into fp16's range); by default a state warp and an output
+//      warp per 16 value rows (Specialized; the other forms in KdaStateKernel).
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands): about 3e-3 relative Frobenius error on o (its own bf16 rounding is
 // 1.7e-3) and 3e-4 .. 8e-4 on the final states against the float64 reference
@@ -60,9 +60,10 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 //   Specialized  (default) Unsplit's work in two warps per 16 value rows: a state warp (S, U
 //            and the state update) and an output warp (O and the o rows), which gets the state
 //            warp's bf16 S0 and U fragments through shared memory; the state warp's chain per
-//            chunk drops from 148 bf16 + 64 fp16 mma to 64 + 64. Bit-identical to Unsplit and
-//            Original. Measured on the H200: 491 us against Unsplit's 531 (one 16384-token
-//            sequence, 12 heads), equal within 3% elsewhere.
+//            chunk drops from 148 bf16 + 64 fp16 mma to 64 + 64, and the output warps do the
+//            record copies. Bit-identical to Unsplit and Original. Measured on the H200: 441.5
+//            us against Unsplit's 531 (one 16384-token sequence, 12 heads), 3-6% faster
+//            elsewhere.
 enum class KdaStateKernel { KSplit, Unsplit, Original, Specialized };
 
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
