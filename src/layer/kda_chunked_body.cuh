@@ -1051,7 +1051,9 @@ __host__ __device__ __forceinline__ float pow2f(int k) {
 // (fp16_scale_exponent of the row's largest |U|) before rounding to fp16, and the row of the
 // accumulator with it: acc = S0^T diag(gamma) 2^k, acc += (2^k U^T) Kb', S^T = acc 2^-k. Power-
 // of-two scalings are exact, so the result is the product of the fp16-rounded operands summed
-// in fp32, whatever the scale. ua[s] holds U^T (negated: -U^T) at tokens 8 s + (2t, 2t + 1) as
+// in fp32, whatever the scale, as long as |S| 2^k stays finite: always for |S| < 2^87 (k <=
+// 40); a state entry beyond 1.5e26 is outside any layer this serves (and fp32 itself would
+// not carry such a state much further). ua[s] holds U^T (negated: -U^T) at tokens 8 s + (2t, 2t + 1) as
 // an m16n8 accumulator; an accumulator pair is an m16k16 A fragment. Kb' is [token][channel]
 // in the stage (pitch StateTraits::kPitchTile), read with ldmatrix .trans as [k][n] B tiles.
 KDA_OPS_BODY
