@@ -796,3 +796,56 @@ TEST_CASE("the emulated chunked kernels match the float64 reference with correla
   emulate_kda_chunked(after.args(), /*late_copies=*/false, kda::KdaStateKernel::Unsplit);
   check_against_reference(before, after, ref);
 }
+
+TEST_CASE("value channels 2^40 apart in magnitude keep their own accuracy (fp16 row scaling)") {
+  // Each value channel vc evolves on its own (o[:, vc] and S[:, vc] depend on v[:, vc] and the
+  // initial S[:, vc] only, linearly), so scaling v and the initial state of channel vc by
+  // 2^e_vc scales its results by 2^e_vc exactly. Exponents from -20 to 20 are dealt so that
+  // every 16-row tile of U^T holds the whole range: a scale shared by a tile (or a warp) would
+  // push its small rows below fp16's range (2^-24) and lose them; the per-row scale of
+  // update_state_f16 keeps each channel's relative error at the unscaled level.
+  const std::vector<int> lens = {130, 64, 17};
+  const std::vector<int> lines = {2, 1, 3};
+  const std::vector<int> init = {1, 0, 1};
+  HostBatchData before = make_batch(1, lens, lines, init, 3, std::nullopt, 31u);
+  auto exponent = [](int vc) { return 5 * ((vc * 7) % 9) - 20; };
+  for (int64_t t = 0; t < before.tokens; ++t)
+    for (int vc = 0; vc < 128; ++vc) {
+      uint16_t& x = before.v[t * before.plane_stride + vc];
+      x = kda::host::float_to_bf16(std::ldexp(kda::host::bf16_to_float(x), exponent(vc)));
+    }
+  for (int64_t line = 0; line < before.lines; ++line)
+    for (int kc = 0; kc < 128; ++kc)
+      for (int vc = 0; vc < 128; ++vc) {
+        float& s = before.pool[before.pool_index(line, 0, kc, vc)];
+        s = std::ldexp(s, exponent(vc));
+      }
+  const Reference ref = run_reference(before);
+  HostBatchData after = before;
+  emulate_kda_chunked(after.args(), /*late_copies=*/false, kda::KdaStateKernel::Specialized);
+  double worst_o = 0, worst_state = 0;
+  for (size_t s = 0; s < lens.size(); ++s) {
+    const int64_t bos = before.qsl[s], eos = before.qsl[s + 1];
+    const int line = before.cache[s];
+    for (int vc = 0; vc < 128; ++vc) {
+      double on = 0, od = 0, sn = 0, sd = 0;
+      for (int64_t t = bos; t < eos; ++t) {
+        const double got = kda::host::bf16_to_float(after.o[t * before.o_stride + vc]);
+        const double want = ref.o.at(t, vc);
+        on += (got - want) * (got - want);
+        od += want * want;
+      }
+      for (int kc = 0; kc < 128; ++kc) {
+        const double got = after.pool[before.pool_index(line, 0, kc, vc)];
+        const double want = ref.pool[(line * 128 + kc) * 128 + vc];
+        sn += (got - want) * (got - want);
+        sd += want * want;
+      }
+      worst_o = std::max(worst_o, rel_err(on, od));
+      worst_state = std::max(worst_state, rel_err(sn, sd));
+    }
+  }
+  MESSAGE("per value channel, worst relative error: o ", worst_o, ", state ", worst_state);
+  CHECK(worst_o < 2e-2);
+  CHECK(worst_state < 1e-2);
+}
