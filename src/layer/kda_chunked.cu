@@ -270,6 +270,16 @@ ChunkedParams make_chunked_params(const PrepRecurrenceArgs& a, void* workspace) 
 
 }  // namespace chunked
 
+const char* kda_state_kernel_name(KdaStateKernel kernel) {
+  switch (kernel) {
+    case KdaStateKernel::KSplit: return "KSplit";
+    case KdaStateKernel::Unsplit: return "Unsplit";
+    case KdaStateKernel::Original: return "Original";
+    case KdaStateKernel::Specialized: return "Specialized";
+  }
+  return "?";
+}
+
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& a) {
   if (a.num_tokens <= 0 || a.max_seqs <= 0 || a.num_heads <= 0) return 0;
   return static_cast<std::size_t>(chunk_slots(a)) * static_cast<std::size_t>(a.num_heads) *

@@ -65,6 +65,8 @@ enum class KdaChunkedPhases { Both, PrepOnly, StateOnly };
 //            us against Unsplit's 531 (one 16384-token sequence, 12 heads), 3-6% faster
 //            elsewhere.
 enum class KdaStateKernel { KSplit, Unsplit, Original, Specialized };
+// The enumerator's name ("KSplit", ...), for logs and test output.
+const char* kda_state_kernel_name(KdaStateKernel kernel);
 
 // Enqueues the launches on `stream`. `workspace` is device memory of at least
 // kda_chunked_workspace_bytes(args) bytes, 16-byte aligned; its contents on entry do not

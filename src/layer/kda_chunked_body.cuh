@@ -1508,6 +1508,22 @@ KDA_UNROLL
   }
 }
 
+// ua = -Uv^T of the warp's value rows vrow + (g, g + 8) (block-relative) from the stage's UvT
+// tile, as the accumulator tiles of U^T (n-tile nt = tokens [8 nt, 8 nt + 8)).
+__host__ __device__ __forceinline__ void load_neg_uv(float (&ua)[kChunk / 8][4], const float* uvt,
+                                                     int vrow, int g, int t) {
+  constexpr int kUvFloats = StateTraits::kPitchUv / 4;
+KDA_UNROLL
+  for (int nt = 0; nt < kChunk / 8; ++nt) {
+    const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
+    const float* hi = lo + 8 * kUvFloats;
+    ua[nt][0] = -lo[0];
+    ua[nt][1] = -lo[1];
+    ua[nt][2] = -hi[0];
+    ua[nt][3] = -hi[1];
+  }
+}
+
 // U^T (the accumulator ua, n-tile nt = tokens [8 nt, 8 nt + 8)) as bf16 A fragments: k-step kq
 // covers tokens [16 kq, 16 kq + 16).
 __host__ __device__ __forceinline__ void pack_u_bf16(const float (&ua)[kChunk / 8][4],
@@ -1636,17 +1652,8 @@ KDA_UNROLL_1
     // Partial ua = -U^T (S0^T W^T, minus Uv^T in slice 0) and oa = O^T (S0^T Qt^T). After the
     // exchange ua holds +U^T.
     float ua[T::kTokenTiles][4], oa[T::kTokenTiles][4];
-    constexpr int kUvFloats = S::kPitchUv / 4;
     if (ks == 0) {
-KDA_UNROLL
-      for (int nt = 0; nt < T::kTokenTiles; ++nt) {
-        const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
-        const float* hi = lo + 8 * kUvFloats;
-        ua[nt][0] = -lo[0];
-        ua[nt][1] = -lo[1];
-        ua[nt][2] = -hi[0];
-        ua[nt][3] = -hi[1];
-      }
+      load_neg_uv(ua, uvt, vrow, g, t);
     } else {
 KDA_UNROLL
       for (int nt = 0; nt < T::kTokenTiles; ++nt)
@@ -1822,16 +1829,7 @@ KDA_UNROLL
 
     // ua = -U^T = S0^T W^T - Uv^T, then U^T: Unsplit's products in Unsplit's order.
     float ua[kChunk / 8][4];
-    constexpr int kUvFloats = S::kPitchUv / 4;
-KDA_UNROLL
-    for (int nt = 0; nt < kChunk / 8; ++nt) {
-      const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
-      const float* hi = lo + 8 * kUvFloats;
-      ua[nt][0] = -lo[0];
-      ua[nt][1] = -lo[1];
-      ua[nt][2] = -hi[0];
-      ua[nt][3] = -hi[1];
-    }
+    load_neg_uv(ua, uvt, vrow, g, t);
 KDA_UNROLL
     for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
 KDA_UNROLL

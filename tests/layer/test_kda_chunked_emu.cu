@@ -339,15 +339,7 @@ void run_block(int threads, std::size_t smem_bytes, bool late_copies, Body body)
   REQUIRE(blk.errors.load() == 0);
 }
 
-const char* kernel_name(kda::KdaStateKernel kernel) {
-  switch (kernel) {
-    case kda::KdaStateKernel::KSplit: return "KSplit";
-    case kda::KdaStateKernel::Unsplit: return "Unsplit";
-    case kda::KdaStateKernel::Original: return "Original";
-    case kda::KdaStateKernel::Specialized: return "Specialized";
-  }
-  return "?";
-}
+const char* kernel_name(kda::KdaStateKernel kernel) { return kda::kda_state_kernel_name(kernel); }
 // Original last: the others are compared with it.
 constexpr kda::KdaStateKernel kAllStateKernels[] = {kda::KdaStateKernel::KSplit, kda::KdaStateKernel::Unsplit,
                                                     kda::KdaStateKernel::Specialized,

@@ -373,15 +373,7 @@ Worst check_simple(const Problem& pr, const Problem::Result& got, const Problem:
 constexpr kda::KdaStateKernel kStateKernels[] = {kda::KdaStateKernel::KSplit, kda::KdaStateKernel::Unsplit,
                                                  kda::KdaStateKernel::Specialized,
                                                  kda::KdaStateKernel::Original};
-std::string kernel_name(kda::KdaStateKernel kernel) {
-  switch (kernel) {
-    case kda::KdaStateKernel::KSplit: return "KSplit";
-    case kda::KdaStateKernel::Unsplit: return "Unsplit";
-    case kda::KdaStateKernel::Original: return "Original";
-    case kda::KdaStateKernel::Specialized: return "Specialized";
-  }
-  return "?";
-}
+std::string kernel_name(kda::KdaStateKernel kernel) { return kda::kda_state_kernel_name(kernel); }
 
 std::string describe(const char* what, kda::KdaStateKernel kernel, int64_t heads, const std::optional<double>& bound,
                      const PoolLayout& layout, const Worst& ref, const Worst& simple) {
