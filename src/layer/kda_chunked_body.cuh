@@ -165,11 +165,9 @@ struct ChunkedParams {
 // emulation builds its parameters with it too.
 ChunkedParams make_chunked_params(const PrepRecurrenceArgs& args, void* workspace);
 
-// The spec's scalar functions, as layer_device::sigmoid / softplus (IEEE expf and log1pf).
+// The spec's sigmoid, as layer_device::sigmoid (IEEE expf), for beta (one per token and
+// head); the per-element gates use the short forms below.
 __host__ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
-__host__ __device__ __forceinline__ float softplus_f(float x) {
-  return x > 20.0f ? x : log1pf(expf(x));
-}
 
 // The hardware's approximate 2^x, log2 x and 1 / x (MUFU.EX2 / LG2 / RCP; ex2 relative error
 // < 2^-22, lg2 absolute error < 2^-22.6 on [0.5, 2], rcp < 1 ulp; .ftz: subnormal inputs and
@@ -214,7 +212,8 @@ __host__ __device__ __forceinline__ float exp2_nonpos(float x) { return ex2_appr
 
 // softplus and sigmoid of the per-channel decay, in a few hardware instructions, to ~2e-6
 // relative (the gates enter only through 2^(G_i - G_j), so an error e in one gate moves a
-// factor by e |g| ln 2 relative; the IEEE forms above cost ~35 instructions per element).
+// factor by e |g| ln 2 relative; the IEEE forms, as in layer_device, cost ~35 instructions
+// per element).
 // softplus(x) = max(x, 0) + log1p(y), y = e^-|x| in (0, 1]: log1p(y) by its series for
 // y <= 1/16 (truncated after y^5: relative error < y^5 / 6 < 2e-7), else ln 2 log2(1 + y),
 // where log2(1 + y) >= 0.087 keeps lg2's absolute error under 2e-6 relative. For x > 20 the
