@@ -131,23 +131,28 @@ GraphCache::Entry* GraphCache::capture(const GraphKey& key, uint64_t version, co
 void GraphCache::launch(Entry* entry, cudaStream_t stream) {
   constexpr const char* fn = "kda::detail::GraphCache::launch";
   KDA_CHECK(entry != nullptr, fn, "no graph to launch");
+  // Only every kTimingPeriod-th replay is a timing sample: an event query and two event records
+  // cost about as much host time as the graph launch itself (docs/perf-notes.md, host time).
+  bool timed = false;
   const int slot = entry->next_slot;
-  bool timed = !entry->pending[slot];
-  if (!timed) {
-    const cudaError_t q = cudaEventQuery(entry->end[slot]);
-    if (q == cudaSuccess) {
-      float ms = 0;
-      KDA_CUDA_CHECK(fn, cudaEventElapsedTime(&ms, entry->start[slot], entry->end[slot]));
-      entry->timed_ms += ms;
-      ++entry->timed_replays;
-      entry->pending[slot] = false;
-      timed = true;
-    } else if (q == cudaErrorNotReady) {
-      // Not an error, but the runtime records it as the last error; a later launch check
-      // (cudaGetLastError) must not see it.
-      cudaGetLastError();
-    } else {
-      KDA_CUDA_CHECK(fn, q);
+  if (entry->replays % Entry::kTimingPeriod == 0) {
+    timed = !entry->pending[slot];
+    if (!timed) {
+      const cudaError_t q = cudaEventQuery(entry->end[slot]);
+      if (q == cudaSuccess) {
+        float ms = 0;
+        KDA_CUDA_CHECK(fn, cudaEventElapsedTime(&ms, entry->start[slot], entry->end[slot]));
+        entry->timed_ms += ms;
+        ++entry->timed_replays;
+        entry->pending[slot] = false;
+        timed = true;
+      } else if (q == cudaErrorNotReady) {
+        // Not an error, but the runtime records it as the last error; a later launch check
+        // (cudaGetLastError) must not see it.
+        cudaGetLastError();
+      } else {
+        KDA_CUDA_CHECK(fn, q);
+      }
     }
   }
   if (timed) KDA_CUDA_CHECK(fn, cudaEventRecord(entry->start[slot], stream));

@@ -1,5 +1,6 @@
 // Keyed CUDA-graph cache of the prefill module: (bucket, layer, window) -> instantiated graph,
-// with capture/instantiate times, node count, replay count and sampled GPU replay time.
+// with capture/instantiate times, node count, replay count and sampled GPU replay time (one
+// replay in kTimingPeriod).
 //
 // Capture runs on a cache-owned non-blocking stream in cudaStreamCaptureModeThreadLocal, because
 // the caller's stream may be the legacy default stream, which cannot be captured; replays are
@@ -60,9 +61,9 @@ class GraphCache {
   // kda::Error is thrown (record's own exception is rethrown as is).
   Entry* capture(const GraphKey& key, uint64_t version, const Record& record);
 
-  // Launches the graph on `stream`. Times it with an event pair when one of the entry's timing
-  // slots is free (a slot frees once its end event has completed), so host cost stays at one
-  // graph launch plus two event records.
+  // Launches the graph on `stream`. Every kTimingPeriod-th replay is a timing sample: it is
+  // bracketed by an event pair when one of the entry's timing slots is free (a slot frees once
+  // its end event has completed). Other replays cost one cudaGraphLaunch of host time.
   void launch(Entry* entry, cudaStream_t stream);
 
   std::size_t size() const { return entries_.size(); }
@@ -83,6 +84,7 @@ class GraphCache {
 
 struct GraphCache::Entry {
   static constexpr int kTimingSlots = 16;
+  static constexpr int64_t kTimingPeriod = 8;  // replays 0, 8, 16, ... are timing samples
 
   Entry() = default;
   ~Entry();  // destroys the exec and events (an in-flight replay still completes)

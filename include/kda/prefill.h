@@ -113,7 +113,7 @@ struct BucketStats {
   double instantiate_us = 0;   // cudaGraphInstantiate
   int64_t graph_nodes = 0;
   int64_t replays = 0;
-  double mean_replay_us = 0;   // GPU time per replay (events), 0 until measured
+  double mean_replay_us = 0;   // GPU time per replay (events on every 8th replay), 0 until measured
 };
 
 struct ModuleStats {
