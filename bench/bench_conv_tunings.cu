@@ -3,7 +3,7 @@
 // in_proj row stride 4864, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). One run shows
 // which (vec, chunk_len, warps_per_cta) to make the default.
 //
-//   bench_conv_tunings [--quick]
+//   bench_conv_tunings [--quick] [--patterns]
 //
 // For each batch shape it prints the copy time, the default launch, the best tuning and every
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
@@ -19,6 +19,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "conv/conv_params.h"
@@ -172,15 +173,107 @@ std::pair<std::vector<char>, std::vector<char>> result_of(Batch& b, const std::v
   return {download(s.out, b.tokens * kDim * 2), download(s.state, state0.size())};
 }
 
+
+// --patterns: copies with the packed kernel's access pattern and no arithmetic, to tell how much
+// of the gap to a flat copy is the pattern itself. A warp moves 16-row programs of a 32-lane x
+// kLaneBytes column band of one plane (the packed kernel's default tile: 128 bf16 channels,
+// 4 warps a CTA), optionally also reading the 3 rows before its chunk (the seed rows), with
+// default or streaming cache hints. Grid (tokens / 16, column groups, 3 planes).
+template <int kSeeds, int kLaneBytes, bool kStreamStore, bool kNoAllocLoad>
+__global__ void __launch_bounds__(128) pattern_copy_kernel(const char* x, char* out, int64_t tokens) {
+  using V = typename std::conditional<kLaneBytes == 8, uint2, uint4>::type;
+  constexpr int kRows = 16;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t col = (static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp) * (32 * kLaneBytes / 2) +
+                      lane * (kLaneBytes / 2);
+  if (col >= kPartDim) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const char* src = x + (blockIdx.z * kPartDim + col) * 2;
+  char* dst = out + (blockIdx.z * tokens * kPartDim + col) * 2;
+  auto load = [&](int64_t row) {
+    const V* p = reinterpret_cast<const V*>(src + row * kRowStride * 2);
+    V v;
+    if constexpr (kNoAllocLoad && kLaneBytes == 8) {
+      asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    } else if constexpr (kNoAllocLoad) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+      v = __ldg(p);
+    }
+    return v;
+  };
+  V seed{};
+  for (int i = 0; i < kSeeds; ++i) {
+    if (t0 - 1 - i >= 0) {
+      const V v = load(t0 - 1 - i);
+      seed.x ^= v.x;
+      seed.y ^= v.y;
+    }
+  }
+  V q[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) q[i] = load(t0 + i);
+  q[0].x ^= seed.x;
+  q[0].y ^= seed.y;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    V* p = reinterpret_cast<V*>(dst + (t0 + i) * kPartDim * 2);
+    if constexpr (kStreamStore) {
+      __stcs(p, q[i]);
+    } else {
+      *p = q[i];
+    }
+  }
+}
+
+template <int kSeeds, int kLaneBytes, bool kStreamStore, bool kNoAllocLoad>
+void launch_pattern(const BufferSet& s, int64_t tokens) {
+  constexpr int kWarps = kLaneBytes == 8 ? 4 : 2;
+  const int64_t cols = kPartDim / (32 * kLaneBytes / 2);  // column blocks per plane
+  const dim3 grid(static_cast<unsigned>(tokens / 16), static_cast<unsigned>((cols + kWarps - 1) / kWarps), 3);
+  pattern_copy_kernel<kSeeds, kLaneBytes, kStreamStore, kNoAllocLoad>
+      <<<grid, kWarps * 32>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+}
+
+void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
+  std::printf("| tokens | flat copy us | packed (default) us | pattern: 16 rows | + 3 seed rows | + streaming stores "
+              "| + no-L1 loads | 16-byte lanes, seeds | no seeds, streaming stores |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const Shape& shape : shapes) {
+    Batch b;
+    make_batch(b, shape, rng);
+    const int64_t t = b.tokens;
+    const double flat = time_us(b, reps, [&](BufferSet& s) {
+      BENCH_CUDA(cudaMemcpyAsync(s.copy_dst, s.x, static_cast<std::size_t>(t * kDim * 2), cudaMemcpyDeviceToDevice));
+    });
+    const double packed = time_us(b, reps, [&](BufferSet& s) { kda::packed_causal_conv1d(s.args, nullptr); });
+    const double p0 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, false, false>(s, t); });
+    const double p1 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, false, false>(s, t); });
+    const double p2 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, true, false>(s, t); });
+    const double p3 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, true, true>(s, t); });
+    const double p4 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 16, false, false>(s, t); });
+    const double p5 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, true, false>(s, t); });
+    BENCH_CUDA(cudaGetLastError());
+    std::printf("| %lld x %lld | %.1f | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) |\n",
+                static_cast<long long>(t), static_cast<long long>(shape.seqs), flat, packed, packed / flat, p0,
+                p0 / flat, p1, p1 / flat, p2, p2 / flat, p3, p3 / flat, p4, p4 / flat, p5, p5 / flat);
+    std::fflush(stdout);
+  }
+  std::printf("\n(ratios to the flat copy in parentheses)\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, patterns = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--patterns") == 0) {
+      patterns = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--patterns]\n", argv[0]);
       return 1;
     }
   }
@@ -194,13 +287,19 @@ int main(int argc, char** argv) {
                                             : std::vector<Shape>{{2048, 1},   {4096, 64},
                                                                  {8192, 1},   {16384, 1},
                                                                  {16384, 256}, {65536, 4}};
+    std::mt19937_64 pattern_rng(7);
+    if (patterns) {
+      run_patterns(shapes, pattern_rng, quick ? 20 : 100);
+      return 0;
+    }
     std::vector<kda::conv::ConvTuning> tunings;
-    for (int vec : {4, 8, 2})
-      for (int chunk : {16, 32, 64})
-        for (int warps : {2, 4, 8}) tunings.push_back({vec, chunk, warps});
+    for (kda::conv::RowPath rows : {kda::conv::RowPath::Registers, kda::conv::RowPath::Bulk})
+      for (int vec : {4, 8, 2})
+        for (int chunk : {8, 16, 32})
+          for (int warps : {2, 4, 8}) tunings.push_back({vec, chunk, warps, rows});
     std::mt19937_64 rng(42);
     bool mismatch = false;
-    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps) us | x copy | best us | x copy | best tuning |\n");
+    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/rows) us | x copy | best us | x copy | best tuning |\n");
     std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
     std::string details;
     for (const Shape& shape : shapes) {
@@ -231,16 +330,17 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d rows %-9s: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, kda::conv::row_path_name(t.rows), us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%s) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d rows %s |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
-                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def_us / copy, best,
-                  best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta);
+                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.bulk_rows ? "bulk" : "registers",
+                  def_us / copy, best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta,
+                  kda::conv::row_path_name(best_t.rows));
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());
