@@ -19,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "conv/conv_params.h"
 #include "conv/stock_conv.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -183,12 +182,6 @@ struct Row {
   int sets = 0;
   double packed_us = 0, stock_us = 0, copy_us = 0;
   uint64_t out_diff_bits = 0, state_diff_bits = 0;
-  // The packed kernel with the row path the default does not take (conv_params.h RowPath),
-  // measured side by side; alt_us 0 when that path cannot run these arguments.
-  const char* default_rows = "";
-  const char* alt_rows = "";
-  double alt_us = 0;
-  uint64_t alt_diff_bits = 0;
 };
 
 Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t stream) {
@@ -269,22 +262,6 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
     row.out_diff_bits = diff_bits(sets[0].out.get(), sets[1].out.get(), sets[0].out.bytes());
     row.state_diff_bits = diff_bits(sets[0].states.get(), sets[1].states.get(), sets[0].states.bytes());
   }
-  using kda::conv::RowPath;
-  const bool default_bulk = kda::conv::make_params(args[0]).bulk_rows;
-  kda::conv::ConvTuning alt;
-  alt.rows = default_bulk ? RowPath::Registers : RowPath::Bulk;
-  row.default_rows = kda::conv::row_path_name(default_bulk ? RowPath::Bulk : RowPath::Registers);
-  row.alt_rows = kda::conv::row_path_name(alt.rows);
-  const bool alt_runs = kda::conv::check_tuning(args[0], alt).empty();
-  if (alt_runs) {  // the other path on set 0's input into set 0, against stock's result in set 1
-    BENCH_CUDA(cudaMemset(sets[0].out.get(), 0xFF, sets[0].out.bytes()));
-    BENCH_CUDA(cudaMemcpy(sets[0].states.get(), pristine_states.get(), pristine_states.bytes(), cudaMemcpyDeviceToDevice));
-    BENCH_CUDA(cudaDeviceSynchronize());
-    kda::conv::launch_packed_conv(args[0], alt, stream);
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    row.alt_diff_bits = diff_bits(sets[0].out.get(), sets[1].out.get(), sets[0].out.bytes()) +
-                        diff_bits(sets[0].states.get(), sets[1].states.get(), sets[0].states.bytes());
-  }
 
   const int warmup = quick ? 3 : 20;
   const int iters = quick ? 15 : (c.tokens >= 65536 ? 60 : 200);
@@ -292,11 +269,6 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
   row.packed_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
     kda::packed_causal_conv1d(args[static_cast<std::size_t>(i)], stream);
   });
-  if (alt_runs) {
-    row.alt_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
-      kda::conv::launch_packed_conv(args[static_cast<std::size_t>(i)], alt, stream);
-    });
-  }
   row.stock_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
     kda::baseline::stock_causal_conv1d(args[static_cast<std::size_t>(i)], workspace.get(), ws_bytes, stream);
   });
@@ -331,10 +303,8 @@ std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool
      << "+ state update, cast back); `vLLM stock` is the real stock path measured on an H200 (stock-conv.md). "
      << "`diff bits`: packed vs stock on the benchmarked data (outputs + states), must be 0.\n\n";
   os << "| tokens x seqs | sets | packed us | copy us | packed/copy | target | met | stock us | vLLM stock us "
-        "| stock/packed | target | met | packed GB/s | copy GB/s | diff bits | rows (default / other) | other us "
-        "| other/copy | other diff bits |\n";
-  os << "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: "
-        "| --- | ---: | ---: | ---: |\n";
+        "| stock/packed | target | met | packed GB/s | copy GB/s | diff bits |\n";
+  os << "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |\n";
   for (const Row& r : rows) {
     const double bytes = 2.0 * static_cast<double>(r.c.tokens * kDim) * 2.0;  // read + write
     const double copy_ratio = r.packed_us / r.copy_us, stock_ratio = r.stock_us / r.packed_us;
@@ -345,10 +315,7 @@ std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool
        << fixed(r.c.stock_spec_us, 0) << " | " << fixed(stock_ratio, 2) << " | "
        << (st ? ">= " + fixed(st, 1) : "-") << " | " << verdict(stock_ratio, st, false) << " | "
        << fixed(bytes / (r.packed_us * 1e3), 0) << " | " << fixed(bytes / (r.copy_us * 1e3), 0) << " | "
-       << (r.out_diff_bits + r.state_diff_bits) << " | " << r.default_rows << " / " << r.alt_rows << " | "
-       << (r.alt_us > 0 ? fixed(r.alt_us, 1) : "-") << " | "
-       << (r.alt_us > 0 ? fixed(r.alt_us / r.copy_us, 3) : "-") << " | "
-       << (r.alt_us > 0 ? std::to_string(r.alt_diff_bits) : "-") << " |\n";
+       << (r.out_diff_bits + r.state_diff_bits) << " |\n";
   }
   return os.str();
 }
@@ -403,8 +370,7 @@ int main(int argc, char** argv) {
     bool bits_ok = true;
     for (const Case& c : cases) {
       rows.push_back(run_case(c, prop, quick, stream));
-      bits_ok = bits_ok && rows.back().out_diff_bits == 0 && rows.back().state_diff_bits == 0 &&
-                rows.back().alt_diff_bits == 0;
+      bits_ok = bits_ok && rows.back().out_diff_bits == 0 && rows.back().state_diff_bits == 0;
       std::fprintf(stderr, "bench_conv: %lld x %lld done\n", static_cast<long long>(c.tokens),
                    static_cast<long long>(c.seqs));
     }

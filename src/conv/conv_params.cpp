@@ -33,38 +33,7 @@ bool vec_fits(const PackedConvArgs& args, int vec) {
          (args.part_dim * elem) % access == 0;
 }
 
-// The path RowPath::Default takes.
-bool default_bulk(const PackedConvArgs& args, int vec) {
-  (void)args;
-  (void)vec;
-  return false;
-}
-
 }  // namespace
-
-const char* row_path_name(RowPath path) {
-  switch (path) {
-    case RowPath::Default: return "default";
-    case RowPath::Registers: return "registers";
-    case RowPath::Bulk: return "bulk";
-  }
-  return "unknown";
-}
-
-bool bulk_fits(const PackedConvArgs& args, int vec) {
-  const int64_t elem = static_cast<int64_t>(dtype_size(args.x_dtype));
-  // A tile starts at a multiple of 32 * vec channels: 64 bytes or more, so only x and the row
-  // stride can break the alignment.
-  return aligned(args.x, 16) && (args.x_row_stride * elem) % 16 == 0 && (32 * vec * elem) % 16 == 0;
-}
-
-int64_t shared_bytes(const PackedConvParams& p) {
-  int64_t bytes = p.warps_per_cta * staging_bytes_per_warp(p.tile);
-  if (p.bulk_rows)
-    bytes += p.warps_per_cta *
-             bulk_tile_bytes_per_warp(p.tile, static_cast<int>(dtype_size(p.x_dtype)), 1 << p.chunk_shift);
-  return bytes;
-}
 
 int default_vec(const PackedConvArgs& args) {
   for (int vec : {4, 2}) {
@@ -110,19 +79,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
                            warps * staging_bytes_per_warp(32 * vec),
                            " bytes of shared memory, more than ", kMaxStagingBytes);
-  if (tuning.rows != RowPath::Default && tuning.rows != RowPath::Registers && tuning.rows != RowPath::Bulk)
-    return detail::str_cat("rows ", static_cast<int>(tuning.rows),
-                           " is not a RowPath (default, registers or bulk)");
-  if (tuning.rows == RowPath::Bulk) {
-    if (!bulk_fits(args, vec))
-      return detail::str_cat("rows bulk needs x and its row stride in bytes (", args.x_row_stride,
-                             " elements) 16-byte aligned");
-    const PackedConvParams p = make_params(args, tuning);
-    if (shared_bytes(p) > kMaxBulkSharedBytes)
-      return detail::str_cat("rows bulk with warps_per_cta ", p.warps_per_cta, ", vec ", vec,
-                             " and chunk_len ", 1 << p.chunk_shift, " needs ", shared_bytes(p),
-                             " bytes of shared memory, more than ", kMaxBulkSharedBytes);
-  }
   if (args.num_tokens > 0 && args.num_seqs > 0) return check_grid(make_params(args, tuning));
   return {};
 }
@@ -188,8 +144,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
     p.warps_per_cta = kDefaultWarpsPerCta;
     while (p.warps_per_cta > 1 && p.cols_per_plane % p.warps_per_cta != 0) p.warps_per_cta /= 2;
   }
-  p.bulk_rows = tuning.rows == RowPath::Bulk ||
-                (tuning.rows == RowPath::Default && default_bulk(args, p.vec));
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.num_ctas = p.programs_per_col_block * p.col_groups_per_plane * p.planes;
   return p;

@@ -9,24 +9,12 @@
 
 namespace kda::conv {
 
-// How a program's x rows reach its lanes.
-//   Registers: every lane loads its own rows (8 bytes each for bf16 x 4 channels) into a
-//     register queue; works for every alignment.
-//   Bulk: one lane per row issues a bulk copy (cp.async.bulk, the copy engine) of the warp's
-//     whole tile row into shared memory, completed on an mbarrier; lanes then read the rows
-//     from shared memory. No queue registers and no per-lane load addresses. Needs x, its row
-//     stride and the tile rows 16-byte aligned (bulk_fits).
-enum class RowPath { Default, Registers, Bulk };
-
-// Choices a benchmark may force; 0 / Default means the launcher's default.
+// Choices a benchmark may force; 0 means the launcher's default.
 struct ConvTuning {
   int vec = 0;            // channels per lane: 8, 4, 2 or 1 (tile = 32 * vec channels)
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one program
-  RowPath rows = RowPath::Default;
 };
-
-const char* row_path_name(RowPath path);
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
 struct PackedConvParams {
@@ -66,7 +54,6 @@ struct PackedConvParams {
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  bool bulk_rows = false;  // RowPath::Bulk: rows through shared memory by bulk copies
   // The grid is (programs_per_col_block, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
   // program x of column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
   // plane z. Every warp of a CTA has the same (sequence, chunk), so one warp searches for it,
@@ -110,23 +97,6 @@ constexpr int staging_pitch(int tile) { return tile + 8; }
 constexpr int staging_floats_per_warp(int tile) { return 7 * staging_pitch(tile); }
 constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
 constexpr int64_t kMaxStagingBytes = 48 * 1024;
-
-// RowPath::Bulk: each warp's x tile in shared memory, one slot per row: slots 0..2 the seed rows
-// (x rows seed_end - 1, - 2, - 3: packed_conv_body.cuh's ProgramRows), slot 3 + r row r of the
-// chunk. A slot is the warp's tile of one row: tile * element bytes (a multiple of 16, as bulk
-// copies need). The tiles follow the staging areas and may use the opt-in shared memory.
-constexpr int kSeedSlots = 3;
-constexpr int64_t bulk_tile_bytes_per_warp(int tile, int elem_bytes, int chunk_len) {
-  return static_cast<int64_t>(kSeedSlots + chunk_len) * tile * elem_bytes;
-}
-constexpr int64_t kMaxBulkSharedBytes = 226 * 1024;  // the opt-in maximum per CTA (227 KiB) less the static part
-
-// Dynamic shared memory of a launch with params p (staging, plus the tiles of the bulk path).
-int64_t shared_bytes(const PackedConvParams& p);
-
-// Whether RowPath::Bulk can move the rows of args with tile 32 * vec: x, its row stride in
-// bytes and the tile's row segment are 16-byte aligned.
-bool bulk_fits(const PackedConvArgs& args, int vec);
 
 // Empty when `tuning` can run `args`, otherwise why not (a sentence naming the allowed values).
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning);

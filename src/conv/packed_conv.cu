@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "common/check.h"
@@ -22,71 +21,6 @@ namespace {
 
 constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 
-// kBytes bytes of one row at ptr (aligned to min(16, kBytes)), through the read-only cache
-// (x in global memory) or plain (a tile in shared memory).
-template <int kBytes, bool kReadOnly>
-__device__ __forceinline__ RowOf<kBytes> load_row_bits(const char* ptr) {
-  RowOf<kBytes> r;
-  if constexpr (kBytes == 32 || kBytes == 16) {
-    const uint4* v = reinterpret_cast<const uint4*>(ptr);
-    const uint4 a = kReadOnly ? __ldg(v) : v[0];
-    r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
-    if constexpr (kBytes == 32) {
-      const uint4 b = kReadOnly ? __ldg(v + 1) : v[1];
-      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
-    }
-  } else if constexpr (kBytes == 8) {
-    const uint2* v = reinterpret_cast<const uint2*>(ptr);
-    const uint2 a = kReadOnly ? __ldg(v) : v[0];
-    r.w[0] = a.x; r.w[1] = a.y;
-  } else if constexpr (kBytes == 4) {
-    const unsigned int* v = reinterpret_cast<const unsigned int*>(ptr);
-    r.w[0] = kReadOnly ? __ldg(v) : v[0];
-  } else {
-    static_assert(kBytes == 2, "row bytes");
-    const unsigned short* v = reinterpret_cast<const unsigned short*>(ptr);
-    r.w[0] = kReadOnly ? __ldg(v) : v[0];
-  }
-  return r;
-}
-
-// The bulk-copy engine and its mbarrier (sm_90 PTX; the library builds for sm_90a and
-// compute_90 only). A CTA-local shared address is a valid shared::cluster address.
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbarrier_init_one(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
-  // Makes the initialised barrier visible to the copy engine (the async proxy).
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// The one expected arrival, announcing `bytes` of copies that will complete on the barrier.
-__device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(bar)), "r"(parity)
-        : "memory");
-  } while (done == 0);
-}
-// bytes (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst.
-__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
-                                                    uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          shared_address(dst)),
-      "l"(src), "r"(bytes), "r"(shared_address(bar))
-      : "memory");
-}
-
 // The device side of packed_conv_body.cuh's Ops. x, the taps, the bias, query_start_loc,
 // cache_indices and has_initial_state are read through the read-only cache: nothing writes
 // them during the kernel (supported() rejects an out that overlaps x). The conv state is read
@@ -96,17 +30,25 @@ struct DeviceOps {
 
   template <int kBytes>
   __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
-    return load_row_bits<kBytes, true>(ptr);
-  }
-
-  // RowPath::Bulk: the warp's tile (tile_lane is this lane's first byte in slot 0) and the
-  // mbarrier its copies complete on (phase 0: each CTA uses its tiles once).
-  const char* tile_lane = nullptr;
-  uint64_t* tile_ready = nullptr;
-  __device__ __forceinline__ void wait_tile() const { mbarrier_wait_parity(tile_ready, 0); }
-  template <int kBytes>
-  __device__ __forceinline__ RowOf<kBytes> tile_row(int slot) const {
-    return load_row_bits<kBytes, false>(tile_lane + slot * (32 * kBytes));
+    RowOf<kBytes> r;
+    if constexpr (kBytes == 32) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(ptr) + 1);
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    } else if constexpr (kBytes == 16) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    } else if constexpr (kBytes == 8) {
+      const uint2 a = __ldg(reinterpret_cast<const uint2*>(ptr));
+      r.w[0] = a.x; r.w[1] = a.y;
+    } else if constexpr (kBytes == 4) {
+      r.w[0] = __ldg(reinterpret_cast<const unsigned int*>(ptr));
+    } else {
+      static_assert(kBytes == 2, "row bytes");
+      r.w[0] = __ldg(reinterpret_cast<const unsigned short*>(ptr));
+    }
+    return r;
   }
 
   template <int kBytes>
@@ -175,50 +117,18 @@ struct DeviceOps {
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
-// RowPath::Bulk: warp lanes issue one bulk copy per tile slot that tile_slot_row names (the
-// warp's tile row of that x row), after lane 0 announced their bytes on the warp's barrier.
-template <typename Traits>
-__device__ __forceinline__ void issue_tile_copies(const PackedConvParams& p, const ProgramChunk& pc,
-                                                  const ProgramRows& plan, int64_t plane,
-                                                  int64_t plane_col_block, int lane, char* tile,
-                                                  uint64_t* bar) {
-  constexpr uint32_t kSlotBytes = 32 * Traits::kRowBytes;
-  if (lane == 0) {
-    const int copies = 1 + (plan.seed2 ? 1 : 0) + (plan.seed3 ? 1 : 0) + plan.rows;
-    mbarrier_arrive_expect(bar, static_cast<uint32_t>(copies) * kSlotBytes);
-  }
-  __syncwarp();
-  const char* x_tile = static_cast<const char*>(p.x) +
-                       (plane * p.part_dim + plane_col_block * Traits::kTile) * Traits::kElemBytes;
-  const int64_t x_row_bytes = p.x_row_stride * Traits::kElemBytes;
-  for (int slot = lane; slot < kSeedSlots + plan.rows; slot += 32) {
-    const int64_t row = tile_slot_row(plan, pc, slot);
-    if (row >= 0) bulk_copy_to_shared(tile + slot * kSlotBytes, x_tile + row * x_row_bytes, kSlotBytes, bar);
-  }
-}
-
 // CTA (x, y, z): chunk program x, column blocks y * warps + warp of plane z (conv_params.h).
 // Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
-// memory, so the other warps spend no instructions on it. Dynamic shared memory: the warps'
-// staging areas, then (kBulk) the warps' row tiles.
-template <typename Traits, bool kSilu, bool kHasBias, bool kBulk>
+// memory, so the other warps spend no instructions on it.
+template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
   __shared__ int64_t located[6];
-  __shared__ uint64_t tile_ready[kBulk ? kMaxWarpsPerCta : 1];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  char* const shared = reinterpret_cast<char*>(staging_storage);
-  DeviceOps ops{reinterpret_cast<float*>(shared + warp * staging_bytes_per_warp(Traits::kTile))};
-  char* tile = nullptr;
-  if constexpr (kBulk) {
-    tile = shared + p.warps_per_cta * staging_bytes_per_warp(Traits::kTile) +
-           warp * bulk_tile_bytes_per_warp(Traits::kTile, Traits::kElemBytes, 1 << p.chunk_shift);
-    ops.tile_lane = tile + lane * Traits::kRowBytes;
-    ops.tile_ready = &tile_ready[warp];
-    if (lane == 0) mbarrier_init_one(&tile_ready[warp]);  // ordered before use by the barrier below
-  }
+  DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
+                warp * staging_floats_per_warp(Traits::kTile)};
   if (warp == 0) {
     const ProgramChunk pc = locate_chunk(p, blockIdx.x, lane, ops);
     if (lane == 0) {
@@ -240,61 +150,26 @@ packed_conv_kernel(const PackedConvParams p) {
   pc.seq_end = located[5];
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  const ProgramRows plan = program_rows(p, pc);
-  if constexpr (kBulk) {
-    if (plan.rows > 0) issue_tile_copies<Traits>(p, pc, plan, blockIdx.z, plane_col_block, lane, tile, ops.tile_ready);
-  }
-  packed_conv_program<Traits, kSilu, kHasBias, kBulk>(p, pc, plan, blockIdx.z, plane_col_block, lane, ops);
-  // The program may return early (a skipped sequence) with copies in flight: none may outlive
-  // the CTA's shared memory.
-  if constexpr (kBulk) {
-    if (plan.rows > 0) ops.wait_tile();
-  }
-}
-
-template <typename Traits, bool kSilu, bool kHasBias, bool kBulk>
-void launch_kernel(const PackedConvParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
-                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
-  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
-  const auto kernel = packed_conv_kernel<Traits, kSilu, kHasBias, kBulk>;
-  if constexpr (kBulk) {
-    // Once per instance: the opt-in shared memory the tiles may need, and the largest shared
-    // carve-out (the rows bypass L1; the carve-out decides how many CTAs fit an SM).
-    static std::once_flag configured;
-    std::call_once(configured, [&] {
-      KDA_CUDA_CHECK("kda::conv::launch_packed_conv",
-                     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kMaxBulkSharedBytes)));
-      KDA_CUDA_CHECK("kda::conv::launch_packed_conv",
-                     cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-    });
-  }
-  kernel<<<grid, block, static_cast<std::size_t>(shared_bytes(p)), stream>>>(p);
-}
-
-template <typename Traits, bool kBulk>
-void launch_options(const PackedConvParams& p, cudaStream_t stream) {
-  const bool has_bias = p.bias != nullptr;
-  if (p.silu && has_bias) {
-    launch_kernel<Traits, true, true, kBulk>(p, stream);
-  } else if (p.silu) {
-    launch_kernel<Traits, true, false, kBulk>(p, stream);
-  } else if (has_bias) {
-    launch_kernel<Traits, false, true, kBulk>(p, stream);
-  } else {
-    launch_kernel<Traits, false, false, kBulk>(p, stream);
-  }
+  packed_conv_program<Traits, kSilu, kHasBias>(p, pc, blockIdx.z, plane_col_block, lane, ops);
 }
 
 template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
-  if (p.bulk_rows) {
-    launch_options<Traits, true>(p, stream);
+  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
+                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
+  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
+  const std::size_t staging_bytes =
+      static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
+  const bool has_bias = p.bias != nullptr;
+  if (p.silu && has_bias) {
+    packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (p.silu) {
+    packed_conv_kernel<Traits, true, false><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (has_bias) {
+    packed_conv_kernel<Traits, false, true><<<grid, block, staging_bytes, stream>>>(p);
   } else {
-    launch_options<Traits, false>(p, stream);
+    packed_conv_kernel<Traits, false, false><<<grid, block, staging_bytes, stream>>>(p);
   }
 }
 

@@ -13,8 +13,6 @@
 //   float silu(float acc)                  (device: silu_stock_fast; CPU: silu_host_approx)
 //   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
-//   void wait_tile()                       RowPath::Bulk: the warp's tile copies have landed
-//   template <int kBytes> RowOf<kBytes> tile_row(int slot)   the lane's bytes of a tile slot
 //
 // One warp is one program: a (sequence, token chunk) of the program map (program_map.h), found
 // by locate_chunk, times a tile of 32 * vec channels inside one output plane. Each lane owns vec adjacent channels: it
@@ -314,52 +312,13 @@ KDA_HOST_DEVICE KDA_INLINE void pack_row(const Ops& ops, const float (&v)[Traits
   }
 }
 
-// The x rows a program reads: its chunk's rows and the up to 3 rows that seed the history
-// (chunk 0: the sequence's last 3 rows, for the new state; later chunks: the 3 rows before the
-// chunk, inside the sequence because chunks are >= 8 tokens). rows == 0: nothing to do, read
-// nothing. Both row paths and the bulk copies' issue go through this one function.
-struct ProgramRows {
-  int rows = 0;          // rows of the chunk, at most 256
-  int64_t seed_end = 0;  // seed row k (k = 1, 2, 3) is x row seed_end - k
-  bool seed2 = false;    // seed rows 2 and 3 exist (seed row 1 always does when rows > 0)
-  bool seed3 = false;
-};
-
-KDA_HOST_DEVICE KDA_INLINE ProgramRows program_rows(const PackedConvParams& p, const ProgramChunk& pc) {
-  ProgramRows r;
-  if (pc.seq < 0 || pc.begin >= pc.end) return r;
-  // Malformed query_start_loc (negative, decreasing, past num_tokens) skips the sequence, so
-  // no access leaves x or out. For a well-formed one these never trigger.
-  if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return r;
-  const int64_t len = pc.seq_end - pc.seq_begin;  // >= rows >= 1
-  r.rows = static_cast<int>(pc.end - pc.begin);
-  r.seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
-  r.seed2 = pc.chunk != 0 || len >= 2;
-  r.seed3 = pc.chunk != 0 || len >= 3;
-  return r;
-}
-
-// RowPath::Bulk: the x row that tile slot `slot` holds, or -1 when the slot stays unused.
-// Slots 0..2 are the seed rows 1..3, slot kSeedSlots + r is chunk row r (conv_params.h).
-KDA_HOST_DEVICE KDA_INLINE int64_t tile_slot_row(const ProgramRows& r, const ProgramChunk& pc, int slot) {
-  if (slot == 0) return r.rows > 0 ? r.seed_end - 1 : -1;
-  if (slot == 1) return r.seed2 ? r.seed_end - 2 : -1;
-  if (slot == 2) return r.seed3 ? r.seed_end - 3 : -1;
-  return slot - kSeedSlots < r.rows ? pc.begin + (slot - kSeedSlots) : -1;
-}
-
 // One program of the packed conv, run by the 32 lanes of a warp: chunk `pc` (from
-// locate_chunk, rows `plan` = program_rows(p, pc)) of the tile of column block
-// `plane_col_block` of plane `plane`. Every branch below depends on the program only, so the
-// warp never diverges.
-//
-// kBulk (RowPath::Bulk): the caller has issued the copies of every row tile_slot_row names
-// into this warp's tile; ops.wait_tile() waits for them and ops.tile_row<kBytes>(slot) reads the
-// lane's bytes of a slot. Otherwise the rows are loaded here into a register queue.
-template <class Traits, bool kSilu, bool kHasBias, bool kBulk, class Ops>
+// locate_chunk) of the tile of column block `plane_col_block` of plane `plane`. Every branch
+// below depends on the program only, so the warp never diverges.
+template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, const ProgramChunk& pc,
-                                                    const ProgramRows& plan, int64_t plane,
-                                                    int64_t plane_col_block, int lane, Ops& ops) {
+                                                    int64_t plane, int64_t plane_col_block, int lane,
+                                                    Ops& ops) {
   constexpr int kVec = Traits::kVec;
   constexpr int kQueue = Traits::kQueueRows;
   constexpr int kBytes = Traits::kRowBytes;
@@ -369,7 +328,10 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
   using Taps = TileStaging<kTile, kVec, 4>;
   using State = TileStaging<kTile, kVec, 3>;
 
-  if (plan.rows == 0) return;
+  if (pc.seq < 0 || pc.begin >= pc.end) return;
+  // Malformed query_start_loc (negative, decreasing, past num_tokens) skips the sequence, so
+  // no access leaves x or out. For a well-formed one these never trigger.
+  if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return;
 
   // The tile lies inside one plane because kTile divides part_dim.
   const int64_t plane_col = plane_col_block * kTile + lane * kVec;  // this lane's first channel
@@ -383,28 +345,29 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
   const int64_t out_row_bytes = p.part_dim * kElemBytes;
 
   // Rows of this chunk: at most 256, so 32-bit row counters suffice.
-  const int rows = plan.rows;
+  const int rows = static_cast<int>(pc.end - pc.begin);
   const int64_t len = pc.seq_end - pc.seq_begin;  // >= rows >= 1
 
   // Start-up. Every x load depends only on the program map, so all of them are issued first:
-  // the seed rows (ProgramRows) and the first kQueue rows of the main loop. The cache line, the
-  // taps and the old state load while those are in flight (a program's fixed latency is what
-  // limits short programs: docs/perf-notes.md). A skipped sequence's x loads are dropped unused.
-  // The bulk path's rows are in flight already (issued by the caller).
+  // the rows that seed the history (chunk 0: the sequence's last 3 rows, for the new state;
+  // later chunks: the 3 rows before the chunk, inside the sequence because chunks are >= 8
+  // tokens) and the first kQueue rows of the main loop. The cache line, the taps and the old
+  // state load while those are in flight (a program's fixed latency is what limits short
+  // programs: docs/perf-notes.md). A skipped sequence's x loads are dropped unused.
   Row seed1{}, seed2{}, seed3{};
-  Row queue[kBulk ? 1 : kQueue];  // unused by the bulk path
+  const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
+  seed1 = ops.template load_x<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
+  if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
+  if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
+
+  // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
+  // r + kQueue; load_ptr always points at row r + kQueue.
+  Row queue[kQueue];
   const char* load_ptr = x_lane + pc.begin * x_row_bytes;
-  if constexpr (!kBulk) {
-    seed1 = ops.template load_x<kBytes>(x_lane + (plan.seed_end - 1) * x_row_bytes);
-    if (plan.seed2) seed2 = ops.template load_x<kBytes>(x_lane + (plan.seed_end - 2) * x_row_bytes);
-    if (plan.seed3) seed3 = ops.template load_x<kBytes>(x_lane + (plan.seed_end - 3) * x_row_bytes);
-    // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
-    // r + kQueue; load_ptr always points at row r + kQueue.
-    KDA_UNROLL
-    for (int i = 0; i < kQueue; ++i) {
-      if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
-      load_ptr += x_row_bytes;
-    }
+  KDA_UNROLL
+  for (int i = 0; i < kQueue; ++i) {
+    if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+    load_ptr += x_row_bytes;
   }
 
   const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
@@ -427,12 +390,6 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
                                   p.state_stride_tap, lane);
   }
   ops.syncwarp();
-  if constexpr (kBulk) {
-    ops.wait_tile();
-    seed1 = ops.template tile_row<kBytes>(0);
-    if (plan.seed2) seed2 = ops.template tile_row<kBytes>(1);
-    if (plan.seed3) seed3 = ops.template tile_row<kBytes>(2);
-  }
 
   float w0[kVec], w1[kVec], w2[kVec], w3[kVec], acc0[kVec];
   Taps::read_lane(ops, stage_taps, 0, lane, w0);
@@ -504,38 +461,23 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
     pack_row<Traits>(ops, y, out);
     ops.template store_out<kBytes>(dst, out);
   };
-  if constexpr (kBulk) {
-    // Rows straight from the tile; the full chunk of the default length (16) unrolled.
-    constexpr int kFull = 16;
-    if (rows == kFull) {
-      KDA_UNROLL
-      for (int i = 0; i < kFull; ++i)
-        convolve_row(ops.template tile_row<kBytes>(kSeedSlots + i), store_ptr + i * out_row_bytes);
-      return;
-    }
-    for (int r = 0; r < rows; ++r) {
-      convolve_row(ops.template tile_row<kBytes>(kSeedSlots + r), store_ptr);
-      store_ptr += out_row_bytes;
-    }
-  } else {
-    if (rows == kQueue) {
-      // A full chunk of the default length: every row is in the queue already, and the loop
-      // has no per-row guards (the common case; docs/perf-notes.md, conv v3).
-      KDA_UNROLL
-      for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
-      return;
-    }
-    for (int r0 = 0; r0 < rows; r0 += kQueue) {
-      KDA_UNROLL
-      for (int i = 0; i < kQueue; ++i) {
-        const int r = r0 + i;
-        if (r < rows) {
-          const Row cur = queue[i];
-          if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
-          load_ptr += x_row_bytes;
-          convolve_row(cur, store_ptr);
-          store_ptr += out_row_bytes;
-        }
+  if (rows == kQueue) {
+    // A full chunk of the default length: every row is in the queue already, and the loop has
+    // no per-row guards (the common case; docs/perf-notes.md, conv v3).
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
+    return;
+  }
+  for (int r0 = 0; r0 < rows; r0 += kQueue) {
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) {
+      const int r = r0 + i;
+      if (r < rows) {
+        const Row cur = queue[i];
+        if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+        load_ptr += x_row_bytes;
+        convolve_row(cur, store_ptr);
+        store_ptr += out_row_bytes;
       }
     }
   }

@@ -21,7 +21,6 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "support/emu_barrier.h"
@@ -60,9 +59,7 @@ struct Warp {
   uint32_t votes[32] = {};
   int32_t shuffled[32] = {};
   std::vector<Float4> stage_storage;  // 16-byte aligned, as the shared staging area
-  std::vector<Float4> tile_storage;   // RowPath::Bulk: the warp's row tile
-  bool tile_filled = false;           // the emulated copies of this program have "landed"
-  Range x, out, weight, bias, qsl, cache, flags, state, stage, tile;
+  Range x, out, weight, bias, qsl, cache, flags, state, stage;
   std::atomic<int64_t> bad_access{0};
 };
 
@@ -148,40 +145,7 @@ struct HostOps {
   }
   void syncwarp() const { warp->barrier.wait(); }
   float* stage() const { return reinterpret_cast<float*>(warp->stage_storage.data()); }
-  void wait_tile() const { check(warp->tile_filled); }
-  template <int kBytes>
-  RowOf<kBytes> tile_row(int slot) const {
-    const char* ptr = reinterpret_cast<const char*>(warp->tile_storage.data()) +
-                      static_cast<std::size_t>(slot) * 32 * kBytes + static_cast<std::size_t>(lane) * kBytes;
-    check(warp->tile_filled && warp->tile.holds(ptr, kBytes));
-    RowOf<kBytes> r{};
-    std::memcpy(r.w, ptr, kBytes);
-    return r;
-  }
 };
-
-// What the kernel's issue_tile_copies and the copy engine do for one program: every slot that
-// tile_slot_row names gets the warp's tile row of that x row; the other slots get 0xFF bytes
-// (a NaN pattern), so a program that read an unnamed slot would differ from the reference.
-template <class Traits>
-void fill_tile(const kda::conv::PackedConvParams& p, const kda::conv::ProgramChunk& pc,
-               const kda::conv::ProgramRows& plan, int64_t plane, int64_t col, Warp& warp) {
-  constexpr int64_t kSlotBytes = 32 * Traits::kRowBytes;
-  char* tile = reinterpret_cast<char*>(warp.tile_storage.data());
-  std::memset(tile, 0xFF, warp.tile_storage.size() * sizeof(Float4));
-  const char* x_tile = static_cast<const char*>(p.x) + (plane * p.part_dim + col * Traits::kTile) * Traits::kElemBytes;
-  for (int slot = 0; slot < kda::conv::kSeedSlots + plan.rows; ++slot) {
-    const int64_t row = kda::conv::tile_slot_row(plan, pc, slot);
-    if (row < 0) continue;
-    const char* src = x_tile + row * p.x_row_stride * Traits::kElemBytes;
-    if (!warp.x.holds(src, kSlotBytes) || !warp.tile.holds(tile + slot * kSlotBytes, kSlotBytes)) {
-      warp.bad_access.fetch_add(1);
-      continue;
-    }
-    std::memcpy(tile + slot * kSlotBytes, src, kSlotBytes);
-  }
-  warp.tile_filled = plan.rows > 0;
-}
 
 // Host buffers of one problem; the element type of x and out is stored as raw 16- or 32-bit
 // words so the comparison is bitwise.
@@ -264,27 +228,9 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.flags = range_of(pr.init);
   warp.state = range_of(state);
   warp.stage = range_of(warp.stage_storage);
-  if (p.bulk_rows) {
-    warp.tile_storage.resize(static_cast<std::size_t>(kda::conv::bulk_tile_bytes_per_warp(
-                                 Traits::kTile, Traits::kElemBytes, 1 << p.chunk_shift)) / sizeof(Float4));
-    warp.tile = range_of(warp.tile_storage);
-  }
 
   // Every (chunk program, plane, column block) of the grid, one after another on one emulated
   // warp; each searches its chunk as the kernel's warp 0 does for its CTA.
-  const auto body = [&](auto bulk, const kda::conv::ProgramChunk& pc, const kda::conv::ProgramRows& plan,
-                        int64_t plane, int64_t col, int lane, HostOps& ops) {
-    constexpr bool kBulk = decltype(bulk)::value;
-    if (p.silu && p.bias) {
-      kda::conv::packed_conv_program<Traits, true, true, kBulk>(p, pc, plan, plane, col, lane, ops);
-    } else if (p.silu) {
-      kda::conv::packed_conv_program<Traits, true, false, kBulk>(p, pc, plan, plane, col, lane, ops);
-    } else if (p.bias) {
-      kda::conv::packed_conv_program<Traits, false, true, kBulk>(p, pc, plan, plane, col, lane, ops);
-    } else {
-      kda::conv::packed_conv_program<Traits, false, false, kBulk>(p, pc, plan, plane, col, lane, ops);
-    }
-  };
   std::vector<std::thread> lanes;
   for (int lane = 0; lane < 32; ++lane) {
     lanes.emplace_back([&, lane] {
@@ -293,16 +239,17 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
         for (int64_t plane = 0; plane < p.planes; ++plane)
           for (int64_t col = 0; col < p.cols_per_plane; ++col) {
             const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, chunk_program, lane, ops);
-            const kda::conv::ProgramRows plan = kda::conv::program_rows(p, pc);
-            if (p.bulk_rows && lane == 0) fill_tile<Traits>(p, pc, plan, plane, col, warp);
-            warp.barrier.wait();  // the search's ballots (and the tile) are done before the body
-            if (p.bulk_rows) {
-              body(std::true_type{}, pc, plan, plane, col, lane, ops);
+            warp.barrier.wait();  // the search's ballots are done before the body's
+            if (p.silu && p.bias) {
+              kda::conv::packed_conv_program<Traits, true, true>(p, pc, plane, col, lane, ops);
+            } else if (p.silu) {
+              kda::conv::packed_conv_program<Traits, true, false>(p, pc, plane, col, lane, ops);
+            } else if (p.bias) {
+              kda::conv::packed_conv_program<Traits, false, true>(p, pc, plane, col, lane, ops);
             } else {
-              body(std::false_type{}, pc, plan, plane, col, lane, ops);
+              kda::conv::packed_conv_program<Traits, false, false>(p, pc, plane, col, lane, ops);
             }
             warp.barrier.wait();  // the next program starts when every lane is done with this one
-            if (lane == 0) warp.tile_filled = false;
           }
     });
   }
@@ -524,19 +471,14 @@ TEST_CASE("the warp map with shuffled sequence bounds equals the scalar map on e
   }
 }
 
-using kda::conv::RowPath;
-
-TEST_CASE("the emulated kernel equals the reference bit for bit for every vector width, chunk length and row path") {
-  for (RowPath rows : {RowPath::Registers, RowPath::Bulk}) {
-    for (int vec : {8, 4, 2, 1}) {
-      for (int chunk : {8, 16, 64}) {
-        CAPTURE(kda::conv::row_path_name(rows));
-        CAPTURE(vec);
-        CAPTURE(chunk);
-        Problem pr = base_problem(DType::BF16);
-        fill(pr, 100 + vec * 10 + chunk);
-        check_outcome(compare(pr, {vec, chunk, 4, rows}));
-      }
+TEST_CASE("the emulated kernel equals the reference bit for bit for every vector width and chunk length") {
+  for (int vec : {8, 4, 2, 1}) {
+    for (int chunk : {8, 16, 64}) {
+      CAPTURE(vec);
+      CAPTURE(chunk);
+      Problem pr = base_problem(DType::BF16);
+      fill(pr, 100 + vec * 10 + chunk);
+      check_outcome(compare(pr, {vec, chunk, 4}));
     }
   }
 }
@@ -549,7 +491,6 @@ TEST_CASE("the emulated kernel equals the reference for fp16 and fp32 inputs") {
       Problem pr = base_problem(dtype);
       fill(pr, 7 + vec);
       check_outcome(compare(pr, {vec, 16, 2}));
-      check_outcome(compare(pr, {vec, 16, 2, RowPath::Bulk}));
     }
   }
 }
@@ -563,7 +504,6 @@ TEST_CASE("the emulated kernel equals the reference for every conv-state and wei
       set_state_layout(pr, layout);
       fill(pr, 31 + vec);
       check_outcome(compare(pr, {vec, 16, 1}));
-      check_outcome(compare(pr, {vec, 16, 1, RowPath::Bulk}));
     }
   }
   SUBCASE("a misaligned state pool takes the scalar walks") {
@@ -617,7 +557,6 @@ TEST_CASE("the emulated kernel honours bias, SiLU, flags, null block and plane s
     if (pr.part_dim % (32 * vec) != 0) continue;
     CAPTURE(vec);
     check_outcome(compare(pr, {vec, 16, 4}));
-    check_outcome(compare(pr, {vec, 16, 4, RowPath::Bulk}));
   }
 }
 
@@ -645,7 +584,6 @@ TEST_CASE("no program reads x past the last token when the batch fills the buffe
       pr.num_tokens = 145;
       fill(pr, 77);
       check_outcome(compare(pr, {vec, chunk, 4}));
-      check_outcome(compare(pr, {vec, chunk, 4, RowPath::Bulk}));
     }
   }
 }
