@@ -293,12 +293,13 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::vector<kda::conv::ConvTuning> tunings;
-    for (int vec : {4, 8, 2})
-      for (int chunk : {8, 16, 32})
-        for (int warps : {2, 4, 8}) tunings.push_back({vec, chunk, warps});
+    for (int per_cta : {1, 2, 4, 8})
+      for (int vec : {4, 2})
+        for (int chunk : {8, 16, 32})
+          for (int warps : {2, 4}) tunings.push_back({vec, chunk, warps, per_cta});
     std::mt19937_64 rng(42);
     bool mismatch = false;
-    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps) us | x copy | best us | x copy | best tuning |\n");
+    std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/per_cta) us | x copy | best us | x copy | best tuning |\n");
     std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
     std::string details;
     for (const Shape& shape : shapes) {
@@ -329,16 +330,16 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
-                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def_us / copy, best,
-                  best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta);
+                  def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.chunks_per_cta, def_us / copy,
+                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

@@ -52,6 +52,11 @@ int default_chunk_len(int64_t num_tokens, int64_t dim) {
   return 16;
 }
 
+int default_chunks_per_cta(int64_t num_tokens, int64_t dim) {
+  (void)dim;
+  return num_tokens >= 4096 ? 2 : 1;
+}
+
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
   if (tuning.vec != 0) {
     if (tuning.vec != 8 && tuning.vec != 4 && tuning.vec != 2 && tuning.vec != 1)
@@ -73,6 +78,11 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (w != 1 && w != 2 && w != 4 && w != 8)
       return detail::str_cat("warps_per_cta ", w, " is not one of 1, 2, 4, 8 (or 0 for the default)");
   }
+  if (tuning.chunks_per_cta != 0) {
+    const int k = tuning.chunks_per_cta;
+    if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
+      return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
+  }
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   const int warps = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
   if (warps * staging_bytes_per_warp(32 * vec) > kMaxStagingBytes)
@@ -84,10 +94,10 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
 }
 
 std::string check_grid(const PackedConvParams& p) {
-  if (p.programs_per_col_block > kMaxGridX)
-    return detail::str_cat("the launch needs ", p.programs_per_col_block,
-                           " programs per column block (num_tokens / ", 1 << p.chunk_shift,
-                           " + num_seqs), more than the ", kMaxGridX, " a grid's x extent can hold");
+  if (p.cta_programs > kMaxGridX)
+    return detail::str_cat("the launch needs ", p.cta_programs, " CTAs per column group ((num_tokens / ",
+                           1 << p.chunk_shift, " + num_seqs) / ", p.chunks_per_cta, "), more than the ",
+                           kMaxGridX, " a grid's x extent can hold");
   if (p.planes > kMaxGridYZ)
     return detail::str_cat("dim / part_dim = ", p.planes, " planes, more than the ", kMaxGridYZ,
                            " a grid's z extent can hold");
@@ -145,7 +155,10 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
     while (p.warps_per_cta > 1 && p.cols_per_plane % p.warps_per_cta != 0) p.warps_per_cta /= 2;
   }
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
-  p.num_ctas = p.programs_per_col_block * p.col_groups_per_plane * p.planes;
+  p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
+                                               : default_chunks_per_cta(args.num_tokens, args.dim);
+  p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
+  p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;
 }
 

@@ -13,7 +13,8 @@ namespace kda::conv {
 struct ConvTuning {
   int vec = 0;            // channels per lane: 8, 4, 2 or 1 (tile = 32 * vec channels)
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
-  int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one program
+  int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
+  int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -54,10 +55,14 @@ struct PackedConvParams {
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  // The grid is (programs_per_col_block, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
-  // program x of column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
-  // plane z. Every warp of a CTA has the same (sequence, chunk), so one warp searches for it,
-  // and no program index is ever divided. Chunk programs vary fastest, so the CTAs in flight
+  // The grid is (cta_programs, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
+  // programs x * chunks_per_cta + j (j < chunks_per_cta, < programs_per_col_block) one after
+  // another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
+  // plane z. Every warp of a CTA has the same (sequence, chunk) sequence, so one warp searches
+  // for the first, the others follow without a search up to a sequence boundary (and carry
+  // their history there), and no program index is ever divided.
+  int chunks_per_cta = 1;
+  int64_t cta_programs = 0;  // ceil(programs_per_col_block / chunks_per_cta) Chunk programs vary fastest, so the CTAs in flight
   // read a band of columns over many rows; the opposite order (a whole row's column groups
   // next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
@@ -80,6 +85,13 @@ std::string check_grid(const PackedConvParams& p);
 // instead of 16 warps fit an SM, with the same bytes in flight per warp. vec 8 is available
 // through ConvTuning. Narrower vectors give the same bits.
 int default_vec(const PackedConvArgs& args);
+
+// Consecutive chunk programs per CTA when not forced: 2 from 4096 tokens of capacity, else 1.
+// A warp that runs the next chunk of its sequence carries the last 3 rows instead of reading
+// them again and skips the search, the taps and the cache line; below 4096 tokens halving the
+// CTAs costs more (H200, bench_conv_tunings: docs/perf-notes.md, "chunks per CTA"). Like the
+// chunk length it depends on capacities only, so a captured grid stays valid.
+int default_chunks_per_cta(int64_t num_tokens, int64_t dim);
 
 // Tokens per program: 16, the fastest of 16/32/64/128 on the H200 at both 2048 x 1 and
 // 16384 x 256 (bench_conv_tunings). It may depend on capacities and dim only, never on the

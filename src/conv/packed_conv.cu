@@ -117,11 +117,16 @@ struct DeviceOps {
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
-// CTA (x, y, z): chunk program x, column blocks y * warps + warp of plane z (conv_params.h).
-// Warp 0 finds the chunk (the radix search's dependent loads) and shares it through shared
-// memory, so the other warps spend no instructions on it.
+// CTA (x, y, z): chunk programs x * chunks_per_cta + j, column blocks y * warps + warp of plane z
+// (conv_params.h). Warp 0 finds the first program's chunk (the radix search's dependent loads)
+// and shares it through shared memory, so the other warps spend no instructions on it; each
+// warp then walks the CTA's programs (packed_conv_programs).
+//
+// Registers: the tiles of up to 4 channels per lane are held to 128 (2 CTAs of the largest
+// block, so 4 of the default 4 warps fit an SM); the bias instances, which keep 4 more values
+// live through the chunk loop, would take 165-171 otherwise and fit half as many warps.
 template <typename Traits, bool kSilu, bool kHasBias>
-__global__ void __launch_bounds__(kMaxThreadsPerCta)
+__global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
   __shared__ int64_t located[6];
@@ -129,8 +134,9 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
+  const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   if (warp == 0) {
-    const ProgramChunk pc = locate_chunk(p, blockIdx.x, lane, ops);
+    const ProgramChunk pc = locate_chunk(p, first_program, lane, ops);
     if (lane == 0) {
       located[0] = pc.seq;
       located[1] = pc.chunk;
@@ -150,13 +156,16 @@ packed_conv_kernel(const PackedConvParams p) {
   pc.seq_end = located[5];
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  packed_conv_program<Traits, kSilu, kHasBias>(p, pc, blockIdx.z, plane_col_block, lane, ops);
+  const int64_t left = p.programs_per_col_block - first_program;
+  const int count = left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
+  packed_conv_programs<Traits, kSilu, kHasBias>(p, pc, first_program, count, blockIdx.z,
+                                                plane_col_block, lane, ops);
 }
 
 template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
-  const dim3 grid(static_cast<unsigned>(p.programs_per_col_block),
+  const dim3 grid(static_cast<unsigned>(p.cta_programs),
                   static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
   const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
   const std::size_t staging_bytes =

@@ -312,26 +312,68 @@ KDA_HOST_DEVICE KDA_INLINE void pack_row(const Ops& ops, const float (&v)[Traits
   }
 }
 
-// One program of the packed conv, run by the 32 lanes of a warp: chunk `pc` (from
-// locate_chunk) of the tile of column block `plane_col_block` of plane `plane`. Every branch
-// below depends on the program only, so the warp never diverges.
+// A lane's taps and bias for its kVec channels: one column block's, so a warp loads them once
+// for all the chunk programs it runs.
+template <int kVec>
+struct LaneTaps {
+  float w0[kVec], w1[kVec], w2[kVec], w3[kVec], acc0[kVec];
+};
+
+// A lane's last 3 input rows in fp32: h1 = token t-1 (the most recent), h2 = t-2, h3 = t-3.
+template <int kVec>
+struct LaneHistory {
+  float h1[kVec], h2[kVec], h3[kVec];
+};
+
+// Taps (through the warp's staging area, in memory order) and bias of the tile that starts at
+// channel tile_begin; the lane's channels start at c0.
+template <class Traits, bool kHasBias, class Ops>
+KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_t tile_begin, int64_t c0,
+                                               int lane, Ops& ops, LaneTaps<Traits::kVec>& t) {
+  using Taps = TileStaging<Traits::kTile, Traits::kVec, 4>;
+  float* const stage_taps = ops.stage();
+  Taps::template gather<true>(ops, stage_taps, p.weight + tile_begin * p.weight_stride_dim,
+                              p.weight_stride_dim, p.weight_stride_tap, lane);
+  ops.syncwarp();
+  Taps::read_lane(ops, stage_taps, 0, lane, t.w0);
+  Taps::read_lane(ops, stage_taps, 1, lane, t.w1);
+  Taps::read_lane(ops, stage_taps, 2, lane, t.w2);
+  Taps::read_lane(ops, stage_taps, 3, lane, t.w3);
+  // Without a bias acc0 is the constant +0.0f, which costs no registers.
+  KDA_UNROLL
+  for (int v = 0; v < Traits::kVec; ++v) t.acc0[v] = kHasBias ? ops.load_ro(p.bias + c0 + v) : 0.0f;
+}
+
+// One chunk program of the packed conv, run by the 32 lanes of a warp: chunk `pc` (from
+// locate_chunk or next_chunk_in_sequence) of the tile of column block `plane_col_block` of
+// plane `plane`, with the lane's taps `taps`. Every branch below depends on the program only,
+// so the warp never diverges.
+//
+// Taps: loaded by the warp's first chunk that runs (taps_loaded false), after its x loads are
+// issued, so that their round trip overlaps the rows' instead of delaying them.
+//
+// History: with `carried` the caller asserts that `hist` holds this warp's last 3 rows before
+// pc.begin (it ran chunk pc.chunk - 1 of the same sequence just before), so the 3 seed rows are
+// not read again. Returns true when the chunk ran, and then `hist` holds its last 3 rows.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
-KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, const ProgramChunk& pc,
-                                                    int64_t plane, int64_t plane_col_block, int lane,
-                                                    Ops& ops) {
+KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, const ProgramChunk& pc,
+                                                  int64_t plane, int64_t plane_col_block, int lane,
+                                                  LaneTaps<Traits::kVec>& taps, bool& taps_loaded,
+                                                  LaneHistory<Traits::kVec>& hist, bool carried,
+                                                  Ops& ops) {
   constexpr int kVec = Traits::kVec;
   constexpr int kQueue = Traits::kQueueRows;
   constexpr int kBytes = Traits::kRowBytes;
   constexpr int kTile = Traits::kTile;
   constexpr int64_t kElemBytes = Traits::kElemBytes;
   using Row = RowBits<Traits::kWords>;
-  using Taps = TileStaging<kTile, kVec, 4>;
   using State = TileStaging<kTile, kVec, 3>;
 
-  if (pc.seq < 0 || pc.begin >= pc.end) return;
+  if (pc.seq < 0 || pc.begin >= pc.end) return false;
   // Malformed query_start_loc (negative, decreasing, past num_tokens) skips the sequence, so
   // no access leaves x or out. For a well-formed one these never trigger.
-  if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return;
+  if (pc.seq_begin < 0 || pc.seq_end > p.num_tokens || pc.begin < pc.seq_begin) return false;
+  carried = carried && pc.chunk != 0;
 
   // The tile lies inside one plane because kTile divides part_dim.
   const int64_t plane_col = plane_col_block * kTile + lane * kVec;  // this lane's first channel
@@ -350,15 +392,17 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
 
   // Start-up. Every x load depends only on the program map, so all of them are issued first:
   // the rows that seed the history (chunk 0: the sequence's last 3 rows, for the new state;
-  // later chunks: the 3 rows before the chunk, inside the sequence because chunks are >= 8
-  // tokens) and the first kQueue rows of the main loop. The cache line, the taps and the old
-  // state load while those are in flight (a program's fixed latency is what limits short
+  // later chunks, unless carried: the 3 rows before the chunk, inside the sequence because
+  // chunks are >= 8 tokens) and the first kQueue rows of the main loop. The cache line and the
+  // old state load while those are in flight (a program's fixed latency is what limits short
   // programs: docs/perf-notes.md). A skipped sequence's x loads are dropped unused.
   Row seed1{}, seed2{}, seed3{};
-  const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
-  seed1 = ops.template load_x<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
-  if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
-  if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
+  if (!carried) {
+    const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
+    seed1 = ops.template load_x<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
+    if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
+    if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
+  }
 
   // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
   // r + kQueue; load_ptr always points at row r + kQueue.
@@ -370,76 +414,66 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
     load_ptr += x_row_bytes;
   }
 
-  const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-  if (p.has_null_block && line == p.null_block_id) return;
-  if (line < 0 || line >= p.num_cache_lines) return;
-
-  // This warp's staging area: the 4 taps in rows 0..3, the state's 3 columns in rows 4..6.
-  float* const stage_taps = ops.stage();
-  float* const stage_state = stage_taps + 4 * Taps::kPitch;
-
-  Taps::template gather<true>(ops, stage_taps, p.weight + tile_begin * p.weight_stride_dim,
-                              p.weight_stride_dim, p.weight_stride_tap, lane);
-
-  float* const state_tile =
-      p.conv_states + line * p.state_stride_line + tile_begin * p.state_stride_dim;
-  const bool has_initial_state = pc.chunk == 0 && p.has_initial_state != nullptr &&
-                                 ops.load_flag(p.has_initial_state + pc.seq);
-  if (has_initial_state) {
-    State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
-                                  p.state_stride_tap, lane);
+  if (!taps_loaded) {
+    load_lane_taps<Traits, kHasBias>(p, tile_begin, c0, lane, ops, taps);
+    taps_loaded = true;
   }
-  ops.syncwarp();
 
-  float w0[kVec], w1[kVec], w2[kVec], w3[kVec], acc0[kVec];
-  Taps::read_lane(ops, stage_taps, 0, lane, w0);
-  Taps::read_lane(ops, stage_taps, 1, lane, w1);
-  Taps::read_lane(ops, stage_taps, 2, lane, w2);
-  Taps::read_lane(ops, stage_taps, 3, lane, w3);
-  // Without a bias acc0 is the constant +0.0f, which costs no registers.
-  KDA_UNROLL
-  for (int v = 0; v < kVec; ++v) acc0[v] = kHasBias ? ops.load_ro(p.bias + c0 + v) : 0.0f;
+  // A carried chunk belongs to the sequence whose previous chunk ran, so its line was valid.
+  if (!carried) {
+    const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
+    if (p.has_null_block && line == p.null_block_id) return false;
+    if (line < 0 || line >= p.num_cache_lines) return false;
 
-  // h1 = token t-1 (the most recent), h2 = t-2, h3 = t-3. Chunk 0 starts from the state
-  // (column 2 is the most recent, column 0 the oldest) or from zeros.
-  float h1[kVec], h2[kVec], h3[kVec];
-  if (pc.chunk == 0) {
-    if (has_initial_state) {
-      State::read_lane(ops, stage_state, 0, lane, h3);
-      State::read_lane(ops, stage_state, 1, lane, h2);
-      State::read_lane(ops, stage_state, 2, lane, h1);
+    if (pc.chunk == 0) {
+      // Chunk 0 starts from the state (column 2 is the most recent, column 0 the oldest) or
+      // from zeros. The state's 3 columns move through rows 4..6 of the staging area.
+      float* const stage_state = ops.stage() + 4 * staging_pitch(kTile);
+      float* const state_tile =
+          p.conv_states + line * p.state_stride_line + tile_begin * p.state_stride_dim;
+      const bool has_initial_state =
+          p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
+      if (has_initial_state) {
+        State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
+                                      p.state_stride_tap, lane);
+        ops.syncwarp();
+        State::read_lane(ops, stage_state, 0, lane, hist.h3);
+        State::read_lane(ops, stage_state, 1, lane, hist.h2);
+        State::read_lane(ops, stage_state, 2, lane, hist.h1);
+      } else {
+        KDA_UNROLL
+        for (int v = 0; v < kVec; ++v) hist.h1[v] = hist.h2[v] = hist.h3[v] = 0.0f;
+      }
+      // The new state is the last 3 entries of (old history, the sequence's tokens): the last
+      // 3 tokens when len >= 3; for 1 or 2 tokens the old history shifted left with the tokens
+      // appended. It is written now, so nothing of it stays live through the main loop. Every
+      // read of the old state happened above, and only chunk 0 of a sequence touches its line.
+      float n1[kVec], n2[kVec], n3[kVec];
+      row_to_f32<Traits>(ops, seed1, n1);
+      if (len >= 2) {
+        row_to_f32<Traits>(ops, seed2, n2);
+      } else {
+        KDA_UNROLL
+        for (int v = 0; v < kVec; ++v) n2[v] = hist.h1[v];
+      }
+      if (len >= 3) {
+        row_to_f32<Traits>(ops, seed3, n3);
+      } else {
+        KDA_UNROLL
+        for (int v = 0; v < kVec; ++v) n3[v] = len == 2 ? hist.h1[v] : hist.h2[v];
+      }
+      ops.syncwarp();  // every lane has read the old state before it is overwritten
+      State::write_lane(ops, stage_state, 0, lane, n3);
+      State::write_lane(ops, stage_state, 1, lane, n2);
+      State::write_lane(ops, stage_state, 2, lane, n1);
+      ops.syncwarp();
+      State::scatter(ops, state_tile, p.state_stride_dim, p.state_stride_tap, stage_state, lane);
+      ops.syncwarp();  // the staging rows are free again for the warp's next chunk
     } else {
-      KDA_UNROLL
-      for (int v = 0; v < kVec; ++v) h1[v] = h2[v] = h3[v] = 0.0f;
+      row_to_f32<Traits>(ops, seed1, hist.h1);
+      row_to_f32<Traits>(ops, seed2, hist.h2);
+      row_to_f32<Traits>(ops, seed3, hist.h3);
     }
-    // The new state is the last 3 entries of (old history, the sequence's tokens): the last
-    // 3 tokens when len >= 3; for 1 or 2 tokens the old history shifted left with the tokens
-    // appended. It is written now, so nothing of it stays live through the main loop. Every
-    // read of the old state happened above, and only chunk 0 of a sequence touches its line.
-    float n1[kVec], n2[kVec], n3[kVec];
-    row_to_f32<Traits>(ops, seed1, n1);
-    if (len >= 2) {
-      row_to_f32<Traits>(ops, seed2, n2);
-    } else {
-      KDA_UNROLL
-      for (int v = 0; v < kVec; ++v) n2[v] = h1[v];
-    }
-    if (len >= 3) {
-      row_to_f32<Traits>(ops, seed3, n3);
-    } else {
-      KDA_UNROLL
-      for (int v = 0; v < kVec; ++v) n3[v] = len == 2 ? h1[v] : h2[v];
-    }
-    ops.syncwarp();  // every lane has read the old state before it is overwritten
-    State::write_lane(ops, stage_state, 0, lane, n3);
-    State::write_lane(ops, stage_state, 1, lane, n2);
-    State::write_lane(ops, stage_state, 2, lane, n1);
-    ops.syncwarp();
-    State::scatter(ops, state_tile, p.state_stride_dim, p.state_stride_tap, stage_state, lane);
-  } else {
-    row_to_f32<Traits>(ops, seed1, h1);
-    row_to_f32<Traits>(ops, seed2, h2);
-    row_to_f32<Traits>(ops, seed3, h3);
   }
 
   char* store_ptr = out_lane + pc.begin * out_row_bytes;
@@ -450,12 +484,13 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
     KDA_UNROLL
     for (int v = 0; v < kVec; ++v) {
       const float x0 = element_f32<Traits>(ops, cur, v);
-      float acc = conv4_tap_fma(h3[v], h2[v], h1[v], x0, w0[v], w1[v], w2[v], w3[v], acc0[v]);
+      float acc = conv4_tap_fma(hist.h3[v], hist.h2[v], hist.h1[v], x0, taps.w0[v], taps.w1[v],
+                                taps.w2[v], taps.w3[v], taps.acc0[v]);
       if constexpr (kSilu) acc = ops.silu(acc);
       y[v] = acc;
-      h3[v] = h2[v];
-      h2[v] = h1[v];
-      h1[v] = x0;
+      hist.h3[v] = hist.h2[v];
+      hist.h2[v] = hist.h1[v];
+      hist.h1[v] = x0;
     }
     Row out;
     pack_row<Traits>(ops, y, out);
@@ -466,7 +501,7 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
     // no per-row guards (the common case; docs/perf-notes.md, conv v3).
     KDA_UNROLL
     for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
-    return;
+    return true;
   }
   for (int r0 = 0; r0 < rows; r0 += kQueue) {
     KDA_UNROLL
@@ -480,6 +515,33 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_program(const PackedConvParams& p, c
         store_ptr += out_row_bytes;
       }
     }
+  }
+  return true;
+}
+
+// The chunk programs first_program .. first_program + count - 1 of one column block, run one
+// after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
+// is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). A program that
+// continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
+// its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.
+template <class Traits, bool kSilu, bool kHasBias, class Ops>
+KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const ProgramChunk& first,
+                                                     int64_t first_program, int count, int64_t plane,
+                                                     int64_t plane_col_block, int lane, Ops& ops) {
+  LaneTaps<Traits::kVec> taps;
+  bool taps_loaded = false;
+  LaneHistory<Traits::kVec> hist;
+  ProgramChunk pc = first;
+  bool carried = false;
+  for (int j = 0; j < count; ++j) {
+    if (j > 0) {
+      ProgramChunk next;
+      const bool same = next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + j, next);
+      carried = carried && same && next.chunk == pc.chunk + 1;
+      pc = same ? next : locate_chunk(p, first_program + j, lane, ops);
+    }
+    carried = packed_conv_chunk<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, taps,
+                                                         taps_loaded, hist, carried, ops);
   }
 }
 

@@ -128,6 +128,23 @@ KDA_HOST_DEVICE inline ProgramChunk chunk_of_sequence(const int32_t* qsl, int64_
   return chunk_in_bounds(seq, qsl[seq], qsl[seq + 1], chunk_shift, p);
 }
 
+// The chunk of program next_p (> the program pc was found for) without a search, when it
+// belongs to pc's sequence: seq is still the largest s with f(s) <= next_p exactly when seq is
+// the last sequence or next_p < f(seq + 1) = first_program(qsl[seq + 1] = pc.seq_end, seq + 1).
+// Returns false (the caller searches) otherwise, and when pc has no sequence. A warp that runs
+// consecutive programs (the kernel's chunks_per_cta) searches only at sequence boundaries.
+KDA_HOST_DEVICE inline bool next_chunk_in_sequence(const ProgramChunk& pc, int64_t num_seqs,
+                                                   int chunk_shift, int64_t next_p,
+                                                   ProgramChunk& next) {
+  if (pc.seq < 0) return false;
+  if (pc.seq + 1 < num_seqs &&
+      next_p >= first_program(static_cast<int32_t>(pc.seq_end), pc.seq + 1, chunk_shift))
+    return false;
+  next = chunk_in_bounds(pc.seq, static_cast<int32_t>(pc.seq_begin), static_cast<int32_t>(pc.seq_end),
+                         chunk_shift, next_p);
+  return true;
+}
+
 // The scalar map (host and tests). steps and stride as from search_steps / search_stride.
 KDA_HOST_DEVICE inline ProgramChunk locate_program_scalar(const int32_t* qsl, int64_t num_seqs,
                                                           int chunk_shift, int steps,

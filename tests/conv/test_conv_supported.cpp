@@ -230,17 +230,6 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
     a.out = fake_pointer<void>(1, -3 * 2048 * 1536 * 2 + 64);
     expected = "out overlaps x";
   }
-  SUBCASE("a grid x extent beyond 2^31 - 1 programs") {
-    a.num_tokens = std::numeric_limits<int32_t>::max();
-    a.num_seqs = std::numeric_limits<int32_t>::max() - 1;
-    a.part_dim = 64;
-    a.dim = a.part_dim;
-    a.x_row_stride = a.dim;
-    a.state_stride_line = 3 * a.dim;
-    a.x = fake_pointer<const void>(1);
-    a.out = fake_pointer<void>(1 << 12);
-    expected = "programs per column block (num_tokens / 16 + num_seqs), more than the 2147483647";
-  }
   SUBCASE("a grid y extent beyond 65535 column groups") {
     // 4 warps of 128 channels per CTA: 65536 groups need 2^25 channels in one plane.
     a.part_dim = int64_t{1} << 25;
@@ -334,7 +323,9 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   CHECK(p.planes == 3);
   CHECK(p.cols_per_plane == 12);
   CHECK(p.col_groups_per_plane == 3);
-  CHECK(p.num_ctas == (2048 / 16 + 4) * 3 * 3);
+  CHECK(p.chunks_per_cta == 1);  // 2048 tokens: below the 4096 where 2 per CTA start
+  CHECK(p.cta_programs == (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta);
+  CHECK(p.num_ctas == p.cta_programs * 3 * 3);
   CHECK(p.has_null_block);
   CHECK(p.null_block_id == 0);
 
@@ -346,7 +337,7 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     CHECK(q.chunk_shift == 7);
     CHECK(q.cols_per_plane == 6);
     CHECK(q.col_groups_per_plane == 6);
-    CHECK(q.num_ctas == (2048 / 128 + 4) * 18);
+    CHECK(q.num_ctas == q.cta_programs * 18);
   }
   SUBCASE("the grid does not depend on the batch, only on the capacities") {
     a.num_seqs = 300;
@@ -373,7 +364,7 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     const kda::conv::PackedConvParams r = kda::conv::make_params(a);
     CHECK(r.warps_per_cta == 1);
     CHECK(r.col_groups_per_plane == 5);
-    CHECK(r.num_ctas == (2048 / 16 + 4) * 5 * 2);
+    CHECK(r.num_ctas == r.cta_programs * 5 * 2);
   }
   SUBCASE("a forced warps per CTA leaves the last group short") {
     const kda::conv::PackedConvParams q = kda::conv::make_params(a, {4, 0, 8});
@@ -381,14 +372,35 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   }
 }
 
+TEST_CASE("the largest capacities fit the grid with the default chunks per CTA, not with 1") {
+  kda::PackedConvArgs a = kda_args();
+  a.num_tokens = std::numeric_limits<int32_t>::max();
+  a.num_seqs = std::numeric_limits<int32_t>::max() - 1;
+  a.part_dim = 64;
+  a.dim = a.part_dim;
+  a.x_row_stride = a.dim;
+  a.state_stride_line = 3 * a.dim;
+  a.x = fake_pointer<const void>(1);
+  a.out = fake_pointer<void>(1 << 12);
+  // (2^31 / 16 + 2^31) programs: 2 per CTA stay below 2^31 CTAs, 1 per CTA does not.
+  std::string why;
+  CHECK_MESSAGE(kda::packed_causal_conv1d_supported(a, &why), why);
+  CHECK(kda::conv::make_params(a).chunks_per_cta == 2);
+  CHECK(kda::conv::check_tuning(a, {0, 0, 0, 1}) ==
+        "the launch needs 2281701373 CTAs per column group ((num_tokens / 16 + num_seqs) / 1), more "
+        "than the 2147483647 a grid's x extent can hold");
+  CHECK_THROWS_WITH_AS(kda::conv::launch_packed_conv(a, {0, 0, 0, 1}, nullptr),
+                       doctest::Contains("CTAs per column group"), kda::Error);
+}
+
 TEST_CASE("check_grid names the extent that exceeds CUDA's limits") {
   kda::conv::PackedConvParams p = kda::conv::make_params(kda_args());
   CHECK(kda::conv::check_grid(p).empty());
-  p.programs_per_col_block = int64_t{1} << 31;
+  p.cta_programs = int64_t{1} << 31;
   CHECK(kda::conv::check_grid(p) ==
-        "the launch needs 2147483648 programs per column block (num_tokens / 16 + num_seqs), more "
+        "the launch needs 2147483648 CTAs per column group ((num_tokens / 16 + num_seqs) / 1), more "
         "than the 2147483647 a grid's x extent can hold");
-  p.programs_per_col_block = 100;
+  p.cta_programs = 100;
   p.planes = 70000;
   CHECK(kda::conv::check_grid(p) ==
         "dim / part_dim = 70000 planes, more than the 65535 a grid's z extent can hold");
@@ -418,6 +430,12 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
   SUBCASE("warps_per_cta 3") {
     CHECK(kda::conv::check_tuning(a, {0, 0, 3}) ==
           "warps_per_cta 3 is not one of 1, 2, 4, 8 (or 0 for the default)");
+  }
+  SUBCASE("chunks_per_cta 3") {
+    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 3}) ==
+          "chunks_per_cta 3 is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
+    const kda::conv::PackedConvParams p = kda::conv::make_params(a, {0, 0, 0, 8});
+    CHECK(p.cta_programs == (2048 / 16 + 4 + 7) / 8);
   }
   SUBCASE("too much shared memory") {
     CHECK(kda::conv::check_tuning(a, {8, 0, 8}) ==

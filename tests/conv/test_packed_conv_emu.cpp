@@ -9,6 +9,7 @@
 // baseline), timing, occupancy and the launch itself.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -229,27 +230,29 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.state = range_of(state);
   warp.stage = range_of(warp.stage_storage);
 
-  // Every (chunk program, plane, column block) of the grid, one after another on one emulated
-  // warp; each searches its chunk as the kernel's warp 0 does for its CTA.
+  // Every (CTA program group, plane, column block) of the grid, one after another on one
+  // emulated warp; each searches its first chunk as the kernel's warp 0 does for its CTA.
   std::vector<std::thread> lanes;
   for (int lane = 0; lane < 32; ++lane) {
     lanes.emplace_back([&, lane] {
       HostOps ops{&warp, lane};
-      for (int64_t chunk_program = 0; chunk_program < p.programs_per_col_block; ++chunk_program)
+      for (int64_t cta = 0; cta < p.cta_programs; ++cta)
         for (int64_t plane = 0; plane < p.planes; ++plane)
           for (int64_t col = 0; col < p.cols_per_plane; ++col) {
-            const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, chunk_program, lane, ops);
+            const int64_t first = cta * p.chunks_per_cta;
+            const int count = static_cast<int>(std::min<int64_t>(p.chunks_per_cta, p.programs_per_col_block - first));
+            const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
             warp.barrier.wait();  // the search's ballots are done before the body's
             if (p.silu && p.bias) {
-              kda::conv::packed_conv_program<Traits, true, true>(p, pc, plane, col, lane, ops);
+              kda::conv::packed_conv_programs<Traits, true, true>(p, pc, first, count, plane, col, lane, ops);
             } else if (p.silu) {
-              kda::conv::packed_conv_program<Traits, true, false>(p, pc, plane, col, lane, ops);
+              kda::conv::packed_conv_programs<Traits, true, false>(p, pc, first, count, plane, col, lane, ops);
             } else if (p.bias) {
-              kda::conv::packed_conv_program<Traits, false, true>(p, pc, plane, col, lane, ops);
+              kda::conv::packed_conv_programs<Traits, false, true>(p, pc, first, count, plane, col, lane, ops);
             } else {
-              kda::conv::packed_conv_program<Traits, false, false>(p, pc, plane, col, lane, ops);
+              kda::conv::packed_conv_programs<Traits, false, false>(p, pc, first, count, plane, col, lane, ops);
             }
-            warp.barrier.wait();  // the next program starts when every lane is done with this one
+            warp.barrier.wait();  // the next group starts when every lane is done with this one
           }
     });
   }
@@ -483,6 +486,36 @@ TEST_CASE("the emulated kernel equals the reference bit for bit for every vector
   }
 }
 
+TEST_CASE("the emulated kernel equals the reference with several chunk programs per CTA") {
+  // A warp walks consecutive programs: history carried inside a sequence, a new search and
+  // the state update at each boundary, empty programs between sequences skipped.
+  for (int per_cta : {2, 4, 16}) {
+    for (int chunk : {8, 16}) {
+      CAPTURE(per_cta);
+      CAPTURE(chunk);
+      Problem pr = base_problem(DType::BF16);
+      fill(pr, 300 + per_cta * 10 + chunk);
+      check_outcome(compare(pr, {4, chunk, 4, per_cta}));
+    }
+  }
+  SUBCASE("fp32 with a bias, no flags, vec 8") {
+    Problem pr = base_problem(DType::FP32);
+    pr.bias = true;
+    pr.flags = false;
+    fill(pr, 41);
+    check_outcome(compare(pr, {8, 16, 2, 4}));
+  }
+  SUBCASE("one long sequence") {
+    Problem pr = base_problem(DType::BF16);
+    pr.qsl = {0, 700};
+    pr.cache = {3};
+    pr.init = {1};
+    pr.num_tokens = 700;
+    fill(pr, 42);
+    check_outcome(compare(pr, {4, 16, 4, 8}));
+  }
+}
+
 TEST_CASE("the emulated kernel equals the reference for fp16 and fp32 inputs") {
   for (DType dtype : {DType::FP16, DType::FP32}) {
     for (int vec : {8, 4, 1}) {
@@ -584,6 +617,7 @@ TEST_CASE("no program reads x past the last token when the batch fills the buffe
       pr.num_tokens = 145;
       fill(pr, 77);
       check_outcome(compare(pr, {vec, chunk, 4}));
+      check_outcome(compare(pr, {vec, chunk, 4, 4}));
     }
   }
 }

@@ -827,6 +827,7 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     int64_t total_bits = 0;
     const std::vector<int> chunks = quick() ? std::vector<int>{8, 64, 256} : std::vector<int>{8, 16, 32, 64, 128, 256};
     const std::vector<int> warps = quick() ? std::vector<int>{1, 4} : std::vector<int>{1, 2, 4, 8};
+    for (int per_cta : {1, 4, 16})
     for (int vec : {1, 2, 4, 8})
       for (int chunk : chunks)
         for (int w : warps) {
@@ -834,10 +835,12 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
           t.vec = vec;
           t.chunk_len = chunk;
           t.warps_per_cta = w;
+          t.chunks_per_cta = per_cta;
           if (!kda::conv::check_tuning(pa, t).empty()) {
             ++invalid;
             continue;
           }
+          CAPTURE(per_cta);
           CAPTURE(vec);
           CAPTURE(chunk);
           CAPTURE(w);
@@ -856,7 +859,7 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     msg << dtype_str(dtype) << ": " << run << " tunings run (" << invalid << " rejected by check_tuning), "
         << total_bits << " bits differ from the stock path in total";
     MESSAGE(msg.str());
-    CHECK(run >= 8);
+    CHECK(run >= 24);
   }
 }
 

@@ -66,11 +66,23 @@ int64_t check_map(const Batch& b, int shift) {
   std::vector<int> first_chunks(static_cast<std::size_t>(b.num_seqs), 0);
   int64_t working = 0;
   int64_t search_mismatches = 0, ballot_mismatches = 0, not_prefix = 0, outside = 0,
-          too_long = 0, bad_chunk0 = 0;
+          too_long = 0, bad_chunk0 = 0, derived = 0, derived_mismatches = 0, same_sequence = 0;
+  ProgramChunk prev;
   for (int64_t p = 0; p < programs; ++p) {
     const ProgramChunk pc = kda::conv::locate_program_scalar(b.qsl.data(), b.num_seqs, shift,
                                                              steps, stride, p);
     if (pc.seq != naive.sequence_of(p)) ++search_mismatches;
+    // A warp that ran p - 1 derives p without a search whenever next_chunk_in_sequence says so:
+    // the result must be the search's, field for field.
+    ProgramChunk next;
+    if (p > 0 && prev.seq >= 0 && pc.seq == prev.seq) ++same_sequence;
+    if (p > 0 && kda::conv::next_chunk_in_sequence(prev, b.num_seqs, shift, p, next)) {
+      ++derived;
+      if (next.seq != pc.seq || next.chunk != pc.chunk || next.begin != pc.begin || next.end != pc.end ||
+          next.seq_begin != pc.seq_begin || next.seq_end != pc.seq_end)
+        ++derived_mismatches;
+    }
+    prev = pc;
 
     bool prefix = true;
     const int64_t seq_ballot = kda::conv::find_sequence(steps, stride, [&](int64_t base, int64_t st) {
@@ -90,6 +102,9 @@ int64_t check_map(const Batch& b, int shift) {
     for (int64_t t = pc.begin; t < pc.end; ++t) ++covered[static_cast<std::size_t>(t)];
   }
   CHECK(search_mismatches == 0);
+  CHECK(derived_mismatches == 0);
+  // Derived exactly when the sequence stays the same: a search only at sequence boundaries.
+  CHECK(derived == same_sequence);
   CHECK(ballot_mismatches == 0);
   CHECK(not_prefix == 0);
   CHECK(outside == 0);
