@@ -182,7 +182,7 @@ void cuda_or_die(cudaError_t e, const char* what) {
 struct Timing {
   double gpu_ms_per_forward = 0;
   double wall_ms_per_forward = 0;
-  double host_us_per_run = 0;  // run() alone, on a drained stream (no queue back-pressure)
+  double host_us_per_run = 0;  // run() alone on a drained stream (no queue back-pressure): median
 };
 
 kda::Config driver_config(const Options& opt) {
@@ -221,14 +221,19 @@ Timing time_forwards(kda::PrefillModule& m, const HostBatch& batch, int iters, c
   Timing t;
   t.gpu_ms_per_forward = ms_between(start, stop) / iters;
   t.wall_ms_per_forward = std::chrono::duration<double, std::milli>(t1 - t0).count() / iters;
+  // The median, not the mean: a single call that the OS delays by tens of us would otherwise
+  // dominate a few dozen samples (bench_module measures the same way).
+  std::vector<double> host(static_cast<std::size_t>(iters));
   for (int i = 0; i < iters; ++i) {
     cuda_or_die(cudaStreamSynchronize(s), "cudaStreamSynchronize");
     auto h0 = std::chrono::steady_clock::now();
     m.run(batch.view(), s);
-    t.host_us_per_run += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
+    host[static_cast<std::size_t>(i)] =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
   }
   cuda_or_die(cudaStreamSynchronize(s), "cudaStreamSynchronize");
-  t.host_us_per_run /= iters;
+  std::sort(host.begin(), host.end());
+  t.host_us_per_run = iters > 0 ? host[static_cast<std::size_t>(iters / 2)] : 0.0;
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return t;
@@ -626,7 +631,7 @@ int main(int argc, char** argv) {
                   eager.gpu_ms_per_forward, eager.wall_ms_per_forward,
                   tokens / (eager.wall_ms_per_forward * 1e-3),
                   eager.wall_ms_per_forward / graph.wall_ms_per_forward);
-    std::printf("host time per run() on a drained stream: %.1f us (%.1f us per layer)\n",
+    std::printf("host time per run() on a drained stream (median): %.1f us (%.1f us per layer)\n",
                 graph.host_us_per_run, graph.host_us_per_run / layers);
 
     int rc = 0;
