@@ -14,11 +14,13 @@
 //   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
 //
-// One warp is one program: a (sequence, token chunk) of the program map (program_map.h), found
-// by locate_chunk, times a tile of 32 * vec channels inside one output plane. Each lane owns vec adjacent channels: it
-// keeps their taps, bias and 3 history rows in registers and streams the chunk's rows through a
-// register queue of kQueueRows loads in flight. Taps and conv state move through the warp's
-// staging area in memory order. The arithmetic is silu_recipe.h's.
+// A program is a (sequence, token chunk) of the program map (program_map.h) times a tile of
+// 32 * vec channels inside one output plane; one warp runs chunks_per_cta consecutive programs
+// of one tile (packed_conv_programs), searching with locate_chunk only at sequence boundaries.
+// Each lane owns vec adjacent channels: it keeps their taps, bias and 3 history rows in
+// registers across its programs and streams each chunk's rows through a register queue of
+// kQueueRows loads in flight. Taps and conv state move through the warp's staging area in
+// memory order. The arithmetic is silu_recipe.h's.
 #pragma once
 
 #include <cstdint>
@@ -536,8 +538,9 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, 
   for (int j = 0; j < count; ++j) {
     if (j > 0) {
       ProgramChunk next;
+      // A derived chunk is the previous one's successor (chunk + 1) in the same sequence.
       const bool same = next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + j, next);
-      carried = carried && same && next.chunk == pc.chunk + 1;
+      carried = carried && same;
       pc = same ? next : locate_chunk(p, first_program + j, lane, ops);
     }
     carried = packed_conv_chunk<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, taps,

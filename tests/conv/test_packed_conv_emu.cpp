@@ -394,6 +394,16 @@ Problem base_problem(DType dtype) {
   return pr;
 }
 
+// One 700-token sequence with an initial state on line 3 (44 chunks of 16 tokens).
+Problem one_long_sequence() {
+  Problem pr = base_problem(DType::BF16);
+  pr.qsl = {0, 700};
+  pr.cache = {3};
+  pr.init = {1};
+  pr.num_tokens = 700;
+  return pr;
+}
+
 void check_outcome(const Outcome& o) {
   CHECK(o.bad_access == 0);
   CHECK(o.out_diff == 0);
@@ -506,11 +516,7 @@ TEST_CASE("the emulated kernel equals the reference with several chunk programs 
     check_outcome(compare(pr, {8, 16, 2, 4}));
   }
   SUBCASE("one long sequence") {
-    Problem pr = base_problem(DType::BF16);
-    pr.qsl = {0, 700};
-    pr.cache = {3};
-    pr.init = {1};
-    pr.num_tokens = 700;
+    Problem pr = one_long_sequence();
     fill(pr, 42);
     check_outcome(compare(pr, {4, 16, 4, 8}));
   }
@@ -594,11 +600,7 @@ TEST_CASE("the emulated kernel honours bias, SiLU, flags, null block and plane s
 }
 
 TEST_CASE("the emulated kernel with the default launch shape on one long sequence") {
-  Problem pr = base_problem(DType::BF16);
-  pr.qsl = {0, 700};
-  pr.cache = {3};
-  pr.init = {1};
-  pr.num_tokens = 700;
+  Problem pr = one_long_sequence();
   fill(pr, 1234);
   check_outcome(compare(pr, {}));
 }
