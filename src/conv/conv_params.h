@@ -58,14 +58,14 @@ struct PackedConvParams {
   // The grid is (cta_programs, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
   // programs x * chunks_per_cta + j (j < chunks_per_cta, < programs_per_col_block) one after
   // another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
-  // plane z. Every warp of a CTA has the same (sequence, chunk) sequence, so one warp searches
-  // for the first, the others follow without a search up to a sequence boundary (and carry
-  // their history there), and no program index is ever divided.
-  int chunks_per_cta = 1;
-  int64_t cta_programs = 0;  // ceil(programs_per_col_block / chunks_per_cta) Chunk programs vary fastest, so the CTAs in flight
-  // read a band of columns over many rows; the opposite order (a whole row's column groups
-  // next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
+  // plane z. Every warp of a CTA runs the same chunks, so one warp searches for the first; each
+  // warp derives the next ones without a search up to a sequence boundary (carrying its history
+  // there), and no program index is ever divided. Chunk programs vary fastest, so the CTAs in
+  // flight read a band of columns over many rows; the opposite order (a whole row's column
+  // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
+  int chunks_per_cta = 1;
+  int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
 };

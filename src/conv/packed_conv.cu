@@ -122,9 +122,9 @@ struct DeviceOps {
 // and shares it through shared memory, so the other warps spend no instructions on it; each
 // warp then walks the CTA's programs (packed_conv_programs).
 //
-// Registers: the tiles of up to 4 channels per lane are held to 128 (2 CTAs of the largest
-// block, so 4 of the default 4 warps fit an SM); the bias instances, which keep 4 more values
-// live through the chunk loop, would take 165-171 otherwise and fit half as many warps.
+// Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
+// largest block, 256 threads, per SM; so 4 CTAs of the default 4 warps). The bias instances,
+// which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
 template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
