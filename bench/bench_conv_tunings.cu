@@ -237,7 +237,7 @@ void launch_pattern(const BufferSet& s, int64_t tokens) {
 }
 
 void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
-  std::printf("| tokens | flat copy us | packed (default) us | pattern: 16 rows | + 3 seed rows | + streaming stores "
+  std::printf("| tokens x seqs | flat copy us | packed (default) us | pattern: 16 rows | + 3 seed rows | + streaming stores "
               "| + no-L1 loads | 16-byte lanes, seeds | no seeds, streaming stores |\n");
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const Shape& shape : shapes) {
