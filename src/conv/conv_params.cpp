@@ -52,8 +52,7 @@ int default_chunk_len(int64_t num_tokens, int64_t dim) {
   return 16;
 }
 
-int default_chunks_per_cta(int64_t num_tokens, int64_t dim) {
-  (void)dim;
+int default_chunks_per_cta(int64_t num_tokens) {
   return num_tokens >= 4096 ? 2 : 1;
 }
 
@@ -156,7 +155,7 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   }
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
-                                               : default_chunks_per_cta(args.num_tokens, args.dim);
+                                               : default_chunks_per_cta(args.num_tokens);
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;

@@ -91,7 +91,7 @@ int default_vec(const PackedConvArgs& args);
 // them again and skips the search, the taps and the cache line; below 4096 tokens halving the
 // CTAs costs more (H200, bench_conv_tunings: docs/perf-notes.md, "chunks per CTA"). Like the
 // chunk length it depends on capacities only, so a captured grid stays valid.
-int default_chunks_per_cta(int64_t num_tokens, int64_t dim);
+int default_chunks_per_cta(int64_t num_tokens);
 
 // Tokens per program: 16, the fastest of 16/32/64/128 on the H200 at both 2048 x 1 and
 // 16384 x 256 (bench_conv_tunings). It may depend on capacities and dim only, never on the

@@ -156,10 +156,8 @@ packed_conv_kernel(const PackedConvParams p) {
   pc.seq_end = located[5];
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  const int64_t left = p.programs_per_col_block - first_program;
-  const int count = left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
-  packed_conv_programs<Traits, kSilu, kHasBias>(p, pc, first_program, count, blockIdx.z,
-                                                plane_col_block, lane, ops);
+  packed_conv_programs<Traits, kSilu, kHasBias>(p, pc, first_program, cta_program_count(p, blockIdx.x),
+                                                blockIdx.z, plane_col_block, lane, ops);
 }
 
 template <DType kDType, int kVec>

@@ -521,6 +521,12 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   return true;
 }
 
+// How many chunk programs CTA x runs: chunks_per_cta, fewer in the grid's last CTA.
+KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int64_t cta) {
+  const int64_t left = p.programs_per_col_block - cta * p.chunks_per_cta;
+  return left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
+}
+
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
 // after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
 // is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). A program that

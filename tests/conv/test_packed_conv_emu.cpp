@@ -9,7 +9,6 @@
 // baseline), timing, occupancy and the launch itself.
 #include <doctest/doctest.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -240,7 +239,7 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
         for (int64_t plane = 0; plane < p.planes; ++plane)
           for (int64_t col = 0; col < p.cols_per_plane; ++col) {
             const int64_t first = cta * p.chunks_per_cta;
-            const int count = static_cast<int>(std::min<int64_t>(p.chunks_per_cta, p.programs_per_col_block - first));
+            const int count = kda::conv::cta_program_count(p, cta);
             const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
             warp.barrier.wait();  // the search's ballots are done before the body's
             if (p.silu && p.bias) {
