@@ -205,12 +205,20 @@ struct HostOps {
   }
 
 
-  // ldmatrix x4: lane 8m + i gives the address of row i of matrix m.
-  void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  // ldmatrix's address exchange: every lane publishes its row address (16-byte aligned);
+  // returns the slot that holds all 32 once the warp has met (the slot of the phase before the
+  // wait, which flips the phase).
+  WarpSlot& share_row_addresses(uint32_t addr) {
     if (addr % 16 != 0) blk->error("ldmatrix row address not 16-byte aligned");
     WarpSlot& s = slot();
     s.u[lane()][0] = addr;
     warp_wait();
+    return s;
+  }
+
+  // ldmatrix x4: lane 8m + i gives the address of row i of matrix m.
+  void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    const WarpSlot& s = share_row_addresses(addr);
     const int g = lane() >> 2, t = lane() & 3;
     for (int m = 0; m < 4; ++m) r[m] = load32(s.u[8 * m + g][0] + 4 * t);
   }
@@ -224,10 +232,7 @@ struct HostOps {
   // ldmatrix x4 .trans: the same row addresses; r[m] receives (row 2t, column g) of matrix m
   // in its low half and (row 2t + 1, column g) in its high half.
   void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    if (addr % 16 != 0) blk->error("ldmatrix row address not 16-byte aligned");
-    WarpSlot& s = slot();
-    s.u[lane()][0] = addr;
-    warp_wait();
+    const WarpSlot& s = share_row_addresses(addr);
     const int g = lane() >> 2, t = lane() & 3;
     for (int m = 0; m < 4; ++m)
       r[m] = uint32_t{load16(s.u[8 * m + 2 * t][0] + 2 * g)} |
