@@ -15,6 +15,9 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
+  // Whether a warp loads the next chunk's rows while it computes a full chunk of the same
+  // sequence (packed_conv_chunk's prefetch_next): 1 yes, -1 no, 0 the default (yes).
+  int prefetch_next = 0;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -65,6 +68,7 @@ struct PackedConvParams {
   // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
   int chunks_per_cta = 1;
+  bool prefetch_next = true;         // ConvTuning::prefetch_next
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents

@@ -498,13 +498,21 @@ TEST_CASE("the emulated kernel equals the reference bit for bit for every vector
 TEST_CASE("the emulated kernel equals the reference with several chunk programs per CTA") {
   // A warp walks consecutive programs: history carried inside a sequence, a new search and
   // the state update at each boundary, empty programs between sequences skipped.
-  for (int per_cta : {2, 4, 16}) {
-    for (int chunk : {8, 16}) {
-      CAPTURE(per_cta);
-      CAPTURE(chunk);
-      Problem pr = base_problem(DType::BF16);
-      fill(pr, 300 + per_cta * 10 + chunk);
-      check_outcome(compare(pr, {4, chunk, 4, per_cta}));
+  // Full chunks of the row queue's length (vec 4: 16 rows, vec 8: 8 rows) prefetch the next
+  // chunk's rows while they compute, unless prefetch_next is -1.
+  for (int prefetch : {0, -1}) {
+    for (int per_cta : {2, 4, 16}) {
+      for (int vec : {4, 8}) {
+        for (int chunk : {8, 16}) {
+          CAPTURE(prefetch);
+          CAPTURE(per_cta);
+          CAPTURE(vec);
+          CAPTURE(chunk);
+          Problem pr = base_problem(DType::BF16);
+          fill(pr, 300 + per_cta * 10 + chunk + vec);
+          check_outcome(compare(pr, {vec, chunk, 4, per_cta, prefetch}));
+        }
+      }
     }
   }
   SUBCASE("fp32 with a bias, no flags, vec 8") {

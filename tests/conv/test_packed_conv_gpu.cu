@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -827,7 +828,9 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     int64_t total_bits = 0;
     const std::vector<int> chunks = quick() ? std::vector<int>{8, 64, 256} : std::vector<int>{8, 16, 32, 64, 128, 256};
     const std::vector<int> warps = quick() ? std::vector<int>{1, 4} : std::vector<int>{1, 2, 4, 8};
-    for (int per_cta : {1, 4, 16})
+    // per_cta 4 runs with and without the next chunk's prefetch (the default is with).
+    const std::vector<std::pair<int, int>> walks{{1, 0}, {4, 0}, {4, -1}, {16, 0}};
+    for (const auto& [per_cta, prefetch] : walks)
     for (int vec : {1, 2, 4, 8})
       for (int chunk : chunks)
         for (int w : warps) {
@@ -836,11 +839,13 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
           t.chunk_len = chunk;
           t.warps_per_cta = w;
           t.chunks_per_cta = per_cta;
+          t.prefetch_next = prefetch;
           if (!kda::conv::check_tuning(pa, t).empty()) {
             ++invalid;
             continue;
           }
           CAPTURE(per_cta);
+          CAPTURE(prefetch);
           CAPTURE(vec);
           CAPTURE(chunk);
           CAPTURE(w);
