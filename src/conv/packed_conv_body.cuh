@@ -327,13 +327,6 @@ struct LaneHistory {
   float h1[kVec], h2[kVec], h3[kVec];
 };
 
-// A lane's queue of x rows in flight (kQueueRows of them). It belongs to the warp's program
-// loop, not to one chunk, so that a full chunk can fill it with the next chunk's rows.
-template <class Traits>
-struct RowQueue {
-  RowBits<Traits::kWords> r[Traits::kQueueRows];
-};
-
 // Taps (through the warp's staging area, in memory order) and bias of the tile that starts at
 // channel tile_begin; the lane's channels start at c0.
 template <class Traits, bool kHasBias, class Ops>
@@ -364,22 +357,12 @@ KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_
 // History: with `carried` the caller asserts that `hist` holds this warp's last 3 rows before
 // pc.begin (it ran chunk pc.chunk - 1 of the same sequence just before), so the 3 seed rows are
 // not read again. Returns true when the chunk ran, and then `hist` holds its last 3 rows.
-//
-// Row queue: with `queued` the caller asserts that `queue` already holds rows pc.begin ..
-// pc.begin + kQueueRows - 1 (the previous chunk prefetched them) and that pc is a full chunk of
-// kQueueRows rows. With `prefetch_next` the caller asserts that the warp's next chunk is the
-// full chunk of kQueueRows rows at pc.end in the same sequence: if pc is full too, each queue
-// slot loads that chunk's row as soon as its own row is consumed, so the warp's loads stay in
-// flight through this chunk's arithmetic instead of starting after it (returns true with the
-// queue holding the next chunk's rows only in that case: the caller passes queued = returned &&
-// prefetch_next && full).
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, const ProgramChunk& pc,
                                                   int64_t plane, int64_t plane_col_block, int lane,
                                                   LaneTaps<Traits::kVec>& taps, bool& taps_loaded,
                                                   LaneHistory<Traits::kVec>& hist, bool carried,
-                                                  RowQueue<Traits>& queue, bool queued,
-                                                  bool prefetch_next, Ops& ops) {
+                                                  Ops& ops) {
   constexpr int kVec = Traits::kVec;
   constexpr int kQueue = Traits::kQueueRows;
   constexpr int kBytes = Traits::kRowBytes;
@@ -425,15 +408,12 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
 
   // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row
   // r + kQueue; load_ptr always points at row r + kQueue.
+  Row queue[kQueue];
   const char* load_ptr = x_lane + pc.begin * x_row_bytes;
-  if (queued) {
-    load_ptr += kQueue * x_row_bytes;
-  } else {
-    KDA_UNROLL
-    for (int i = 0; i < kQueue; ++i) {
-      if (i < rows) queue.r[i] = ops.template load_x<kBytes>(load_ptr);
-      load_ptr += x_row_bytes;
-    }
+  KDA_UNROLL
+  for (int i = 0; i < kQueue; ++i) {
+    if (i < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
+    load_ptr += x_row_bytes;
   }
 
   // The cache line (and chunk 0's initial-state flag) are loaded before the taps: the taps'
@@ -528,19 +508,9 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   };
   if (rows == kQueue) {
     // A full chunk of the default length: every row is in the queue already, and the loop has
-    // no per-row guards (the common case; docs/perf-notes.md, conv v3). With prefetch_next,
-    // slot i then loads row i of the next chunk, which starts at pc.end = load_ptr's row.
-    if (prefetch_next) {
-      KDA_UNROLL
-      for (int i = 0; i < kQueue; ++i) {
-        const Row cur = queue.r[i];
-        queue.r[i] = ops.template load_x<kBytes>(load_ptr + i * x_row_bytes);
-        convolve_row(cur, store_ptr + i * out_row_bytes);
-      }
-    } else {
-      KDA_UNROLL
-      for (int i = 0; i < kQueue; ++i) convolve_row(queue.r[i], store_ptr + i * out_row_bytes);
-    }
+    // no per-row guards (the common case; docs/perf-notes.md, conv v3).
+    KDA_UNROLL
+    for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
     return true;
   }
   for (int r0 = 0; r0 < rows; r0 += kQueue) {
@@ -548,8 +518,8 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
     for (int i = 0; i < kQueue; ++i) {
       const int r = r0 + i;
       if (r < rows) {
-        const Row cur = queue.r[i];
-        if (r + kQueue < rows) queue.r[i] = ops.template load_x<kBytes>(load_ptr);
+        const Row cur = queue[i];
+        if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
         load_ptr += x_row_bytes;
         convolve_row(cur, store_ptr);
         store_ptr += out_row_bytes;
@@ -567,42 +537,46 @@ KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int6
 
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
 // after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
-// is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). A program that
-// continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
-// its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.
+// is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). The later ones
+// are derived without a search: from a window of the sequence starts after first's
+// (chunk_from_window; p.seq_window), or, with the window off, from the previous chunk while the
+// sequence continues (next_chunk_in_sequence) and by a search at each boundary. A program that
+// continues the previous one's sequence carries its history. The taps load once, with the
+// first chunk.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const ProgramChunk& first,
                                                      int64_t first_program, int count, int64_t plane,
                                                      int64_t plane_col_block, int lane, Ops& ops) {
-  constexpr int64_t kQueue = Traits::kQueueRows;
   LaneTaps<Traits::kVec> taps;
   bool taps_loaded = false;
-  LaneHistory<Traits::kVec> hist;
-  RowQueue<Traits> queue;
+  LaneHistory<Traits::kVec> hist{};  // read only when carried, after a chunk wrote it
+  // Issued before the first chunk's loads, consumed after its arithmetic.
+  const bool window = p.seq_window && count > 1;
+  const int32_t starts = window ? load_window(first, p.num_seqs, lane, [&](int64_t i) {
+    return ops.load_i32_ro(p.query_start_loc + i);
+  }) : 0;
   ProgramChunk pc = first;
-  bool carried = false;  // hist holds the 3 rows before pc.begin
-  bool queued = false;   // queue holds pc's rows
-  // pc's successor when it continues pc's sequence (derived before pc runs, so that pc can
-  // prefetch its rows).
-  ProgramChunk next;
-  bool next_same = count > 1 && next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + 1, next);
+  bool carried = false;
   for (int j = 0; j < count; ++j) {
     if (j > 0) {
-      carried = carried && next_same;
-      queued = queued && next_same;
-      pc = next_same ? next : locate_chunk(p, first_program + j, lane, ops);
-      next_same = j + 1 < count &&
-                  next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + j + 1, next);
+      const int64_t prog = first_program + j;
+      ProgramChunk next;
+      bool found;
+      if (window) {
+        found = chunk_from_window(
+            first, starts, p.num_seqs, p.chunk_shift, prog, lane,
+            [&](bool pred) { return ops.ballot(pred); },
+            [&](int32_t v, int src) { return ops.shfl(v, src); }, next);
+      } else {
+        found = next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, prog, next);
+      }
+      if (!found) next = locate_chunk(p, prog, lane, ops);
+      // Consecutive programs of one sequence are consecutive chunks.
+      carried = carried && next.seq == pc.seq;
+      pc = next;
     }
-    // A derived chunk is pc's successor (chunk + 1) in the same sequence, so it starts at pc.end.
-    const bool full = pc.end - pc.begin == kQueue;
-    const bool prefetch = p.prefetch_next && full && next_same && next.begin == pc.end &&
-                          next.end - next.begin == kQueue;
-    const bool ran = packed_conv_chunk<Traits, kSilu, kHasBias>(
-        p, pc, plane, plane_col_block, lane, taps, taps_loaded, hist, carried, queue, queued,
-        prefetch, ops);
-    carried = ran;
-    queued = ran && prefetch;
+    carried = packed_conv_chunk<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, taps,
+                                                         taps_loaded, hist, carried, ops);
   }
 }
 
