@@ -292,17 +292,14 @@ int main(int argc, char** argv) {
       run_patterns(shapes, pattern_rng, quick ? 20 : 100);
       return 0;
     }
-    // Around the default (vec 4, 16-token chunks): chunk programs per CTA with the later
-    // programs' chunks from the window of sequence starts and from a search at boundaries
-    // (seq_window), and the CTA size; then vec 8 with 8-token chunks and vec 2. Earlier sweeps
+    // Around the default (vec 4, 16-token chunks): chunk programs per CTA and the CTA size;
+    // then vec 8 with 8-token chunks (its row queue's length) and vec 2. Earlier sweeps
     // (docs/perf-notes.md) found 8- and 32-token chunks of vec 4 slower at every shape.
     std::vector<kda::conv::ConvTuning> tunings;
     for (int per_cta : {1, 2, 4, 8, 16})
-      for (int window : {0, -1})
-        for (int warps : {2, 4, 8})
-          if (per_cta > 1 || window == 0) tunings.push_back({4, 16, warps, per_cta, window});
-    for (int per_cta : {2, 4, 8}) tunings.push_back({8, 8, 4, per_cta, 0});
-    for (int per_cta : {1, 2, 4}) tunings.push_back({2, 16, 4, per_cta, 0});
+      for (int warps : {2, 4, 8}) tunings.push_back({4, 16, warps, per_cta});
+    for (int per_cta : {2, 4, 8}) tunings.push_back({8, 8, 4, per_cta});
+    for (int per_cta : {1, 2, 4}) tunings.push_back({2, 16, 4, per_cta});
     std::mt19937_64 rng(42);
     bool mismatch = false;
     std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/per_cta) us | x copy | best us | x copy | best tuning |\n");
@@ -336,18 +333,16 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d window %-3s: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta,
-                      t.seq_window < 0 ? "off" : "on", us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d window %s |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
                   def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.chunks_per_cta, def_us / copy,
-                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta,
-                  best_t.seq_window < 0 ? "off" : "on");
+                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

@@ -82,9 +82,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
-  if (tuning.seq_window < -1 || tuning.seq_window > 1)
-    return detail::str_cat("seq_window ", tuning.seq_window,
-                           " is not 1 (on), -1 (off) or 0 (the default)");
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   const int warps = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
   if (warps * staging_bytes_per_warp(32 * vec) > kMaxStagingBytes)
@@ -159,7 +156,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
                                                : default_chunks_per_cta(args.num_tokens);
-  p.seq_window = tuning.seq_window >= 0;
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;

@@ -15,10 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // How a warp finds its later programs' chunks (packed_conv_programs): 1 from a window of the
-  // sequence starts after its first one's, loaded once; -1 from the previous chunk inside a
-  // sequence and by a search at each boundary; 0 the default (1).
-  int seq_window = 0;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -69,7 +65,6 @@ struct PackedConvParams {
   // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
   int chunks_per_cta = 1;
-  bool seq_window = true;            // ConvTuning::seq_window
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents

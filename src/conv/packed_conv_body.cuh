@@ -416,24 +416,14 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
     load_ptr += x_row_bytes;
   }
 
-  // The cache line (and chunk 0's initial-state flag) are loaded before the taps: the taps'
-  // staging waits for its loads, and the state gather waits for the line, so issued in this
-  // order the two round trips overlap instead of following each other. A carried chunk belongs
-  // to the sequence whose previous chunk ran, so its line was valid.
-  int64_t line = 0;
-  bool has_initial_state = false;
-  if (!carried) {
-    line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-    if (pc.chunk == 0)
-      has_initial_state = p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
-  }
-
   if (!taps_loaded) {
     load_lane_taps<Traits, kHasBias>(p, tile_begin, c0, lane, ops, taps);
     taps_loaded = true;
   }
 
+  // A carried chunk belongs to the sequence whose previous chunk ran, so its line was valid.
   if (!carried) {
+    const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
     if (p.has_null_block && line == p.null_block_id) return false;
     if (line < 0 || line >= p.num_cache_lines) return false;
 
@@ -443,6 +433,8 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
       float* const stage_state = ops.stage() + 4 * staging_pitch(kTile);
       float* const state_tile =
           p.conv_states + line * p.state_stride_line + tile_begin * p.state_stride_dim;
+      const bool has_initial_state =
+          p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
       if (has_initial_state) {
         State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
                                       p.state_stride_tap, lane);
@@ -537,43 +529,25 @@ KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int6
 
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
 // after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
-// is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). The later ones
-// are derived without a search: from a window of the sequence starts after first's
-// (chunk_from_window; p.seq_window), or, with the window off, from the previous chunk while the
-// sequence continues (next_chunk_in_sequence) and by a search at each boundary. A program that
-// continues the previous one's sequence carries its history. The taps load once, with the
-// first chunk.
+// is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). A program that
+// continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
+// its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const ProgramChunk& first,
                                                      int64_t first_program, int count, int64_t plane,
                                                      int64_t plane_col_block, int lane, Ops& ops) {
   LaneTaps<Traits::kVec> taps;
   bool taps_loaded = false;
-  LaneHistory<Traits::kVec> hist{};  // read only when carried, after a chunk wrote it
-  // Issued before the first chunk's loads, consumed after its arithmetic.
-  const bool window = p.seq_window && count > 1;
-  const int32_t starts = window ? load_window(first, p.num_seqs, lane, [&](int64_t i) {
-    return ops.load_i32_ro(p.query_start_loc + i);
-  }) : 0;
+  LaneHistory<Traits::kVec> hist;
   ProgramChunk pc = first;
   bool carried = false;
   for (int j = 0; j < count; ++j) {
     if (j > 0) {
-      const int64_t prog = first_program + j;
       ProgramChunk next;
-      bool found;
-      if (window) {
-        found = chunk_from_window(
-            first, starts, p.num_seqs, p.chunk_shift, prog, lane,
-            [&](bool pred) { return ops.ballot(pred); },
-            [&](int32_t v, int src) { return ops.shfl(v, src); }, next);
-      } else {
-        found = next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, prog, next);
-      }
-      if (!found) next = locate_chunk(p, prog, lane, ops);
-      // Consecutive programs of one sequence are consecutive chunks.
-      carried = carried && next.seq == pc.seq;
-      pc = next;
+      // A derived chunk is the previous one's successor (chunk + 1) in the same sequence.
+      const bool same = next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + j, next);
+      carried = carried && same;
+      pc = same ? next : locate_chunk(p, first_program + j, lane, ops);
     }
     carried = packed_conv_chunk<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, taps,
                                                          taps_loaded, hist, carried, ops);

@@ -145,48 +145,6 @@ KDA_HOST_DEVICE inline bool next_chunk_in_sequence(const ProgramChunk& pc, int64
   return true;
 }
 
-// A warp's later programs without a search: the sequences after the one its first program
-// (chunk `first`) belongs to, one per lane, lane j holding window = qsl[first.seq + 1 + j] for
-// candidates up to num_seqs inclusive (load_window; first.seq + 1 is 0 when the first program
-// has no sequence). Program p (> the first) belongs to the largest s with f(s) <= p; f is
-// strictly increasing, so s = first.seq + n where n counts the window's candidates c <
-// num_seqs with f(c) <= p (a prefix of the lanes, one ballot). For n < 32 the chunk follows with
-// no memory access: its bounds are lanes n - 1 and n (lane n's candidate is <= num_seqs, so it
-// was loaded), or the first chunk's when n == 0. Consecutive programs each start at most one
-// sequence (f(s + 1) >= f(s) + 1), so K consecutive programs span at most K sequences and n < 32
-// whenever K <= 32; returns false (the caller searches) otherwise, and for malformed
-// query_start_loc, whose predicates may not form a prefix, every derived sequence is still
-// below num_seqs and its bounds are qsl values, which the kernel checks before any access.
-template <typename LoadFn>
-KDA_HOST_DEVICE inline int32_t load_window(const ProgramChunk& first, int64_t num_seqs, int lane,
-                                           LoadFn&& load) {
-  const int64_t cand = first.seq + 1 + lane;
-  return cand <= num_seqs ? load(cand) : 0;
-}
-
-template <typename BallotFn, typename ShflFn>
-KDA_HOST_DEVICE inline bool chunk_from_window(const ProgramChunk& first, int32_t window,
-                                              int64_t num_seqs, int chunk_shift, int64_t p,
-                                              int lane, BallotFn&& ballot, ShflFn&& shfl,
-                                              ProgramChunk& out) {
-  const int64_t base = first.seq + 1;
-  const int64_t cand = base + lane;
-  const bool le = cand < num_seqs && first_program(window, cand, chunk_shift) <= p;
-  const int n = popcount32(ballot(le));
-  if (n == kRadix) return false;
-  const int32_t lo = shfl(window, n > 0 ? n - 1 : 0);
-  const int32_t hi = shfl(window, n);
-  if (n > 0) {
-    out = chunk_in_bounds(base + n - 1, lo, hi, chunk_shift, p);
-  } else if (first.seq >= 0) {
-    out = chunk_in_bounds(first.seq, static_cast<int32_t>(first.seq_begin),
-                          static_cast<int32_t>(first.seq_end), chunk_shift, p);
-  } else {
-    out = ProgramChunk{};
-  }
-  return true;
-}
-
 // The scalar map (host and tests). steps and stride as from search_steps / search_stride.
 KDA_HOST_DEVICE inline ProgramChunk locate_program_scalar(const int32_t* qsl, int64_t num_seqs,
                                                           int chunk_shift, int steps,

@@ -437,13 +437,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
     const kda::conv::PackedConvParams p = kda::conv::make_params(a, {0, 0, 0, 8});
     CHECK(p.cta_programs == (2048 / 16 + 4 + 7) / 8);
   }
-  SUBCASE("seq_window 2") {
-    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 0, 2}) ==
-          "seq_window 2 is not 1 (on), -1 (off) or 0 (the default)");
-    CHECK(kda::conv::make_params(a).seq_window);
-    CHECK(kda::conv::make_params(a, {0, 0, 0, 0, 1}).seq_window);
-    CHECK_FALSE(kda::conv::make_params(a, {0, 0, 0, 0, -1}).seq_window);
-  }
   SUBCASE("too much shared memory") {
     CHECK(kda::conv::check_tuning(a, {8, 0, 8}) ==
           "warps_per_cta 8 with vec 8 needs 59136 bytes of shared memory, more than 49152");
