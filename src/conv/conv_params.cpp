@@ -56,6 +56,12 @@ int default_chunks_per_cta(int64_t num_tokens) {
   return num_tokens >= 4096 ? 2 : 1;
 }
 
+int default_warps_per_cta(int64_t num_tokens, int64_t cols_per_plane) {
+  int warps = num_tokens >= 4096 ? 4 : 2;
+  while (warps > 1 && cols_per_plane % warps != 0) warps /= 2;
+  return warps;
+}
+
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
   if (tuning.vec != 0) {
     if (tuning.vec != 8 && tuning.vec != 4 && tuning.vec != 2 && tuning.vec != 1)
@@ -83,7 +89,9 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
-  const int warps = tuning.warps_per_cta != 0 ? tuning.warps_per_cta : kDefaultWarpsPerCta;
+  const int warps = tuning.warps_per_cta != 0
+                        ? tuning.warps_per_cta
+                        : default_warps_per_cta(args.num_tokens, args.part_dim / (32 * vec));
   if (warps * staging_bytes_per_warp(32 * vec) > kMaxStagingBytes)
     return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
                            warps * staging_bytes_per_warp(32 * vec),
@@ -147,12 +155,8 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.cols_per_plane = args.part_dim / p.tile;
   p.programs_per_col_block = programs_per_col_block(args.num_tokens, args.num_seqs, p.chunk_shift);
   p.num_programs = p.programs_per_col_block * p.num_col_blocks;
-  if (tuning.warps_per_cta != 0) {
-    p.warps_per_cta = tuning.warps_per_cta;
-  } else {
-    p.warps_per_cta = kDefaultWarpsPerCta;
-    while (p.warps_per_cta > 1 && p.cols_per_plane % p.warps_per_cta != 0) p.warps_per_cta /= 2;
-  }
+  p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta
+                                             : default_warps_per_cta(args.num_tokens, p.cols_per_plane);
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
                                                : default_chunks_per_cta(args.num_tokens);

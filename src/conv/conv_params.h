@@ -98,9 +98,12 @@ int default_chunks_per_cta(int64_t num_tokens);
 // pointer alignment that picks the vector width, so that a captured grid stays valid.
 int default_chunk_len(int64_t num_tokens, int64_t dim);
 
-// Warps per CTA when not forced: 4, or the largest of 2 and 1 that divides the column blocks of
-// a plane when 4 does not (so no warp of the grid idles).
-constexpr int kDefaultWarpsPerCta = 4;
+// Warps per CTA when not forced: 2 below 4096 tokens of capacity (where a CTA runs one chunk
+// program), else 4; halved while it does not divide a plane's cols_per_plane column blocks (so
+// no warp of the grid idles). With one program per CTA, 2-warp CTAs measured 2% faster than
+// 4-warp ones at 2048 x 1 in three runs on the H200 (bench_conv_tunings, docs/perf-notes.md,
+// session 6); from 4096 tokens 4 and 2 are within 1%. Capacities only: graph-safe.
+int default_warps_per_cta(int64_t num_tokens, int64_t cols_per_plane);
 constexpr int kMaxWarpsPerCta = 8;
 
 // Each warp stages its tile's 4 taps and 3 state columns in shared memory, rows padded by 8

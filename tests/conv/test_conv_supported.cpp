@@ -319,13 +319,13 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   CHECK(p.search_stride == 1);
   CHECK(p.programs_per_col_block == 2048 / 16 + 4);
   CHECK(p.num_programs == (2048 / 16 + 4) * 36);
-  CHECK(p.warps_per_cta == kda::conv::kDefaultWarpsPerCta);
+  CHECK(p.warps_per_cta == 2);  // 2048 tokens: below the 4096 where 4 warps start
   CHECK(p.planes == 3);
   CHECK(p.cols_per_plane == 12);
-  CHECK(p.col_groups_per_plane == 3);
+  CHECK(p.col_groups_per_plane == 6);
   CHECK(p.chunks_per_cta == 1);  // 2048 tokens: below the 4096 where 2 per CTA start
   CHECK(p.cta_programs == (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta);
-  CHECK(p.num_ctas == p.cta_programs * 3 * 3);
+  CHECK(p.num_ctas == p.cta_programs * 6 * 3);
   CHECK(p.has_null_block);
   CHECK(p.null_block_id == 0);
 
@@ -351,6 +351,16 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   SUBCASE("no null block") {
     a.null_block_id.reset();
     CHECK_FALSE(kda::conv::make_params(a).has_null_block);
+  }
+  SUBCASE("4 warps per CTA from 4096 tokens of capacity") {
+    a.num_tokens = 4096;
+    const kda::conv::PackedConvParams q = kda::conv::make_params(a);
+    CHECK(q.warps_per_cta == 4);
+    CHECK(q.col_groups_per_plane == 3);
+    CHECK(q.chunks_per_cta == 2);
+    a.part_dim = 768;  // 6 column blocks of 128: 4 does not divide them, 2 does
+    a.dim = 3 * a.part_dim;
+    CHECK(kda::conv::make_params(a).warps_per_cta == 2);
   }
   SUBCASE("the default warps per CTA divide a plane's column blocks") {
     a.part_dim = 768;  // 6 column blocks of 128: 2 warps per CTA, 3 groups
