@@ -81,9 +81,10 @@ std::string check_grid(const PackedConvParams& p);
 // The default vector width (channels per lane): the widest of 4, 2, 1 such that 32 * vec
 // divides part_dim and the x pointer, the x row stride in bytes, the out pointer and the out
 // plane stride in bytes are multiples of min(16, vec * element size). vec 4 (128-channel
-// tiles, 8-byte bf16 accesses) rather than 8: it needs 80 registers instead of 128, so 24
-// instead of 16 warps fit an SM, with the same bytes in flight per warp. vec 8 is available
-// through ConvTuning. Narrower vectors give the same bits.
+// tiles, 8-byte bf16 accesses) rather than 8: it fits in 128 registers (vec 8 takes 204-212),
+// so 16 instead of 8 warps fit an SM, with the same bytes in flight per warp; vec 8 with
+// 8-token chunks measured 1.5x slower at 16384 x 1 (bench_conv_tunings, session 6). vec 8 is
+// available through ConvTuning. Narrower vectors give the same bits.
 int default_vec(const PackedConvArgs& args);
 
 // Consecutive chunk programs per CTA when not forced: 2 from 4096 tokens of capacity, else 1.
