@@ -123,7 +123,7 @@ struct DeviceOps {
 // warp then walks the CTA's programs (packed_conv_programs).
 //
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
-// largest block, 256 threads, per SM; so 4 CTAs of the default 4 warps). The bias instances,
+// largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
 template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
