@@ -300,8 +300,9 @@ int main(int argc, char** argv) {
       for (int warps : {2, 4, 8}) tunings.push_back({4, 16, warps, per_cta});
     for (int per_cta : {2, 4, 8}) tunings.push_back({8, 8, 4, per_cta});
     for (int per_cta : {1, 2, 4}) tunings.push_back({2, 16, 4, per_cta});
-    // Balanced one-wave grids: max_ctas -1 stands for resident_cta_slots of the shape.
-    for (int warps : {2, 4}) tunings.push_back({4, 16, warps, 0, -1});
+    // Balanced grids of one and two full waves: max_ctas -n stands for n x resident_cta_slots.
+    for (int waves : {1, 2})
+      for (int warps : {2, 4}) tunings.push_back({4, 16, warps, 0, -waves});
     std::mt19937_64 rng(42);
     bool mismatch = false;
     std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/per_cta) us | x copy | best us | x copy | best tuning |\n");
@@ -325,7 +326,11 @@ int main(int argc, char** argv) {
       kda::conv::ConvTuning best_t{};
       char line[256];
       for (kda::conv::ConvTuning t : tunings) {
-        if (t.max_ctas < 0) t.max_ctas = kda::conv::resident_cta_slots(b.sets[0].args, t);
+        if (t.max_ctas < 0) {
+          const int64_t waves = -t.max_ctas;
+          t.max_ctas = 0;  // the slots of the same instance and CTA size
+          t.max_ctas = waves * kda::conv::resident_cta_slots(b.sets[0].args, t);
+        }
         if (!kda::conv::check_tuning(b.sets[0].args, t).empty()) continue;
         const double us = time_us(b, reps, [&](BufferSet& s) {
           kda::conv::launch_packed_conv(s.args, t, nullptr);
