@@ -236,6 +236,155 @@ void launch_pattern(const BufferSet& s, int64_t tokens) {
       <<<grid, kWarps * 32>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
+// The same copy through a ring of shared-memory stages filled by bulk copies (cp.async.bulk, one
+// per row, completing on the stage's mbarrier): one producer warp keeps up to kStages stages of
+// kStageRows rows in flight while 4 consumer warps read their 8 bytes per lane of each row from
+// shared memory and store them as the packed kernel does. A CTA moves rows_per_cta rows of a
+// 512-channel (1 KB) band of one plane and, like a packed-kernel walk, first reads the 3 rows
+// before them (seed rows, direct loads). The question it answers: how close to the flat copy a
+// row stream gets when its loads never wait for the arithmetic. Grid (tokens / rows_per_cta,
+// part_dim / 512, 3 planes).
+constexpr int kRingConsumers = 4;
+constexpr int kRingRowBytes = kRingConsumers * 32 * 8;  // 512 bf16 channels
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <int kStages, int kStageRows, int kSeeds>
+__global__ void __launch_bounds__(32 * (kRingConsumers + 1))
+ring_copy_kernel(const char* x, char* out, int64_t tokens, int rows_per_cta) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) char ring[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t col0 = static_cast<int64_t>(blockIdx.y) * (kRingRowBytes / 2);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * rows_per_cta;
+  const int stages = rows_per_cta / kStageRows;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(&empty[s])), "r"(kRingConsumers));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const auto wait = [](uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n RING_WAIT:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra RING_WAIT;\n}" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+  };
+  if (warp == kRingConsumers) {  // the producer
+    if (lane != 0) return;
+    const char* src = x + (blockIdx.z * kPartDim + col0) * 2 + t0 * kRowStride * 2;
+    for (int i = 0; i < stages; ++i) {
+      const int s = i % kStages;
+      if (i >= kStages) wait(&empty[s], static_cast<uint32_t>((i / kStages - 1) & 1));
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])),
+                   "r"(kStageRows * kRingRowBytes) : "memory");
+      for (int r = 0; r < kStageRows; ++r) {
+        const char* row = src + static_cast<int64_t>(i * kStageRows + r) * kRowStride * 2;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_u32(ring + (s * kStageRows + r) * kRingRowBytes)), "l"(row),
+                     "r"(kRingRowBytes), "r"(smem_u32(&full[s])) : "memory");
+      }
+    }
+    return;
+  }
+  const int64_t lane_col = col0 + warp * 128 + lane * 4;
+  uint2 seed{0u, 0u};
+  for (int i = 0; i < kSeeds; ++i) {
+    if (t0 - 1 - i >= 0) {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(x + ((t0 - 1 - i) * kRowStride + blockIdx.z * kPartDim + lane_col) * 2));
+      seed.x ^= v.x;
+      seed.y ^= v.y;
+    }
+  }
+  char* dst = out + (blockIdx.z * tokens * kPartDim + t0 * kPartDim + lane_col) * 2;
+  for (int i = 0; i < stages; ++i) {
+    const int s = i % kStages;
+    wait(&full[s], static_cast<uint32_t>((i / kStages) & 1));
+    uint2 v[kStageRows];
+#pragma unroll
+    for (int r = 0; r < kStageRows; ++r)
+      v[r] = *reinterpret_cast<const uint2*>(ring + (s * kStageRows + r) * kRingRowBytes + warp * 256 + lane * 8);
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(&empty[s])) : "memory");
+    if (i == 0) {
+      v[0].x ^= seed.x;
+      v[0].y ^= seed.y;
+    }
+#pragma unroll
+    for (int r = 0; r < kStageRows; ++r)
+      *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(i * kStageRows + r) * kPartDim * 2) = v[r];
+  }
+#endif
+}
+
+template <int kStages, int kStageRows, int kSeeds>
+void launch_ring(const BufferSet& s, int64_t tokens, int rows_per_cta) {
+  const int smem = kStages * kStageRows * kRingRowBytes;
+  static bool configured = false;
+  if (!configured) {
+    BENCH_CUDA(cudaFuncSetAttribute(ring_copy_kernel<kStages, kStageRows, kSeeds>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  const dim3 grid(static_cast<unsigned>(tokens / rows_per_cta), static_cast<unsigned>(kPartDim * 2 / kRingRowBytes), 3);
+  ring_copy_kernel<kStages, kStageRows, kSeeds><<<grid, 32 * (kRingConsumers + 1), smem>>>(
+      static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens, rows_per_cta);
+}
+
+// Bitwise check of one ring variant against the plain copy of the same rows (seed rows off).
+bool ring_copies_exactly(Batch& b) {
+  BufferSet& s = b.sets[0];
+  const int64_t t = b.tokens;
+  BENCH_CUDA(cudaMemset(s.copy_dst, 0xFF, static_cast<std::size_t>(t * kDim * 2)));
+  launch_ring<4, 8, 0>(s, t, 64);
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const std::vector<char> got = download(s.copy_dst, t * kDim * 2);
+  std::vector<char> xs = download(s.x, t * kRowStride * 2);
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t plane = 0; plane < 3; ++plane)
+      if (std::memcmp(&got[static_cast<std::size_t>((plane * t + r) * kPartDim * 2)],
+                      &xs[static_cast<std::size_t>((r * kRowStride + plane * kPartDim) * 2)], kPartDim * 2) != 0)
+        return false;
+  return true;
+}
+
+void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
+  std::printf("\n| tokens x seqs | flat copy us | packed (default) | ring 4x8 rows, 32 per CTA | 4x8, 64 | 4x8, 128 | 4x8, 256 "
+              "| 4x16, 128 | 2x16, 32 | 8x8, 256 | 4x8, 64, no seeds | exact |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const Shape& shape : shapes) {
+    Batch b;
+    make_batch(b, shape, rng);
+    const int64_t t = b.tokens;
+    const double flat = time_us(b, reps, [&](BufferSet& s) {
+      BENCH_CUDA(cudaMemcpyAsync(s.copy_dst, s.x, static_cast<std::size_t>(t * kDim * 2), cudaMemcpyDeviceToDevice));
+    });
+    const double packed = time_us(b, reps, [&](BufferSet& s) { kda::packed_causal_conv1d(s.args, nullptr); });
+    const double r[] = {
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 32); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 64); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 128); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 256); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 16, 3>(s, t, 128); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<2, 16, 3>(s, t, 32); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<8, 8, 3>(s, t, 256); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 0>(s, t, 64); }),
+    };
+    BENCH_CUDA(cudaGetLastError());
+    const bool exact = ring_copies_exactly(b);
+    std::printf("| %lld x %lld | %.1f | %.1f (%.3f)", static_cast<long long>(t), static_cast<long long>(shape.seqs),
+                flat, packed, packed / flat);
+    for (double us : r) std::printf(" | %.1f (%.3f)", us, us / flat);
+    std::printf(" | %s |\n", exact ? "yes" : "NO");
+    std::fflush(stdout);
+  }
+}
+
 void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
   std::printf("| tokens x seqs | flat copy us | packed (default) us | pattern: 16 rows | + 3 seed rows | + streaming stores "
               "| + no-L1 loads | 16-byte lanes, seeds | no seeds, streaming stores |\n");
@@ -261,6 +410,7 @@ void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int re
     std::fflush(stdout);
   }
   std::printf("\n(ratios to the flat copy in parentheses)\n");
+  run_ring_patterns(shapes, rng, reps);
 }
 
 }  // namespace
