@@ -450,9 +450,6 @@ int main(int argc, char** argv) {
       for (int warps : {2, 4, 8}) tunings.push_back({4, 16, warps, per_cta});
     for (int per_cta : {2, 4, 8}) tunings.push_back({8, 8, 4, per_cta});
     for (int per_cta : {1, 2, 4}) tunings.push_back({2, 16, 4, per_cta});
-    // Balanced grids of one and two full waves: max_ctas -n stands for n x resident_cta_slots.
-    for (int waves : {1, 2})
-      for (int warps : {2, 4}) tunings.push_back({4, 16, warps, 0, -waves});
     std::mt19937_64 rng(42);
     bool mismatch = false;
     std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/per_cta) us | x copy | best us | x copy | best tuning |\n");
@@ -475,12 +472,7 @@ int main(int argc, char** argv) {
       double best = 1e30;
       kda::conv::ConvTuning best_t{};
       char line[256];
-      for (kda::conv::ConvTuning t : tunings) {
-        if (t.max_ctas < 0) {
-          const int64_t waves = -t.max_ctas;
-          t.max_ctas = 0;  // the slots of the same instance and CTA size
-          t.max_ctas = waves * kda::conv::resident_cta_slots(b.sets[0].args, t);
-        }
+      for (const auto& t : tunings) {
         if (!kda::conv::check_tuning(b.sets[0].args, t).empty()) continue;
         const double us = time_us(b, reps, [&](BufferSet& s) {
           kda::conv::launch_packed_conv(s.args, t, nullptr);
@@ -491,19 +483,16 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d max_ctas %5lld: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta,
-                      static_cast<long long>(t.max_ctas), us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
-        std::fputs(line, stderr);  // as it is measured, in case the run is cut short
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d max_ctas %lld |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
                   def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.chunks_per_cta, def_us / copy,
-                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta,
-                  static_cast<long long>(best_t.max_ctas));
+                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

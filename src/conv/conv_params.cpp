@@ -1,6 +1,5 @@
 #include "conv/conv_params.h"
 
-#include <algorithm>
 #include <cstdint>
 
 #include "common/check.h"
@@ -89,11 +88,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
-  if (tuning.max_ctas < 0)
-    return detail::str_cat("max_ctas ", tuning.max_ctas, " is negative (0: no balanced grid)");
-  if (tuning.max_ctas > 0 && tuning.chunks_per_cta != 0)
-    return detail::str_cat("max_ctas ", tuning.max_ctas, " and chunks_per_cta ", tuning.chunks_per_cta,
-                           " exclude each other (a balanced grid sizes the CTAs' ranges itself)");
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   const int warps = tuning.warps_per_cta != 0
                         ? tuning.warps_per_cta
@@ -164,22 +158,9 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta
                                              : default_warps_per_cta(args.num_tokens, p.cols_per_plane);
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
-  if (tuning.max_ctas > 0) {
-    // Balanced: as many CTAs per column group as fit max_ctas over all groups, at least one,
-    // at most one per program, and enough that no CTA runs more than kMaxBalancedRange.
-    const int64_t groups = p.col_groups_per_plane * p.planes;
-    const int64_t programs = p.programs_per_col_block;
-    int64_t ctas = tuning.max_ctas / groups;
-    ctas = std::max(ctas, (programs + kMaxBalancedRange - 1) / kMaxBalancedRange);
-    ctas = std::max<int64_t>(1, std::min(ctas, programs));
-    p.chunks_per_cta = static_cast<int>(programs / ctas);
-    p.cta_extra = programs % ctas;
-    p.cta_programs = ctas;
-  } else {
-    p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
-                                                 : default_chunks_per_cta(args.num_tokens);
-    p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
-  }
+  p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
+                                               : default_chunks_per_cta(args.num_tokens);
+  p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;
 }

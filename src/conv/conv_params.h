@@ -15,10 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // > 0: a balanced grid of at most this many CTAs (resident_cta_slots gives what fits the GPU
-  // at once): a column block's chunk programs split into contiguous ranges that differ by at
-  // most one program, one range per CTA. Excludes chunks_per_cta.
-  int64_t max_ctas = 0;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -59,9 +55,9 @@ struct PackedConvParams {
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  // The grid is (cta_programs, col_groups_per_plane, planes): CTA (x, y, z) runs the chunk
-  // programs cta_first_program(x) + j (j < cta_program_count(x): chunks_per_cta, one more for
-  // the first cta_extra CTAs, fewer in the last one) one after another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
+  // The grid is (cta_programs, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
+  // programs x * chunks_per_cta + j (j < chunks_per_cta, < programs_per_col_block) one after
+  // another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
   // plane z. Every warp of a CTA runs the same chunks, so one warp searches for the first; each
   // warp derives the next ones without a search up to a sequence boundary (carrying its history
   // there), and no program index is ever divided. Chunk programs vary fastest, so the CTAs in
@@ -69,8 +65,7 @@ struct PackedConvParams {
   // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
   int chunks_per_cta = 1;
-  int64_t cta_extra = 0;             // > 0 only for a balanced grid (ConvTuning::max_ctas)
-  int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta), or balanced
+  int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
 };
@@ -119,21 +114,12 @@ constexpr int staging_floats_per_warp(int tile) { return 7 * staging_pitch(tile)
 constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
 constexpr int64_t kMaxStagingBytes = 48 * 1024;
 
-// A balanced grid's CTAs run at most this many chunk programs each (the grid grows past
-// max_ctas when needed), so a CTA's program count stays a small int.
-constexpr int64_t kMaxBalancedRange = 4096;
-
 // Empty when `tuning` can run `args`, otherwise why not (a sentence naming the allowed values).
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning);
 
 // Params for args that passed packed_causal_conv1d_supported() and a tuning that passed
 // check_tuning(); zero fields of tuning take the defaults.
 PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tuning = {});
-
-// How many CTAs of the kernel instance that args and tuning select fit the current device at
-// once (occupancy x SMs): the max_ctas of a one-wave balanced grid. Throws kda::Error like
-// launch_packed_conv.
-int64_t resident_cta_slots(const PackedConvArgs& args, const ConvTuning& tuning);
 
 // Enqueues the kernel with a forced tuning (for benchmarks and tests of every instance). Throws
 // kda::Error ("kda::conv::launch_packed_conv") when the args are unsupported or the tuning is

@@ -117,7 +117,7 @@ struct DeviceOps {
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
-// CTA (x, y, z): chunk programs cta_first_program(x) + j, column blocks y * warps + warp of plane z
+// CTA (x, y, z): chunk programs x * chunks_per_cta + j, column blocks y * warps + warp of plane z
 // (conv_params.h). Warp 0 finds the first program's chunk (the radix search's dependent loads)
 // and shares it through shared memory, so the other warps spend no instructions on it; each
 // warp then walks the CTA's programs (packed_conv_programs).
@@ -134,7 +134,7 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
-  const int64_t first_program = cta_first_program(p, blockIdx.x);
+  const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   if (warp == 0) {
     const ProgramChunk pc = locate_chunk(p, first_program, lane, ops);
     if (lane == 0) {
@@ -160,67 +160,58 @@ packed_conv_kernel(const PackedConvParams p) {
                                                 blockIdx.z, plane_col_block, lane, ops);
 }
 
-using KernelFn = void (*)(PackedConvParams);
-
-// The kernel instance for p's element type, vector width, SiLU and bias.
 template <DType kDType, int kVec>
-KernelFn instance_for(const PackedConvParams& p) {
+void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
+  const dim3 grid(static_cast<unsigned>(p.cta_programs),
+                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
+  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
+  const std::size_t staging_bytes =
+      static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if (p.silu && has_bias) return packed_conv_kernel<Traits, true, true>;
-  if (p.silu) return packed_conv_kernel<Traits, true, false>;
-  if (has_bias) return packed_conv_kernel<Traits, false, true>;
-  return packed_conv_kernel<Traits, false, false>;
+  if (p.silu && has_bias) {
+    packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (p.silu) {
+    packed_conv_kernel<Traits, true, false><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (has_bias) {
+    packed_conv_kernel<Traits, false, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else {
+    packed_conv_kernel<Traits, false, false><<<grid, block, staging_bytes, stream>>>(p);
+  }
 }
 
 template <DType kDType>
-KernelFn instance_for_vec(const PackedConvParams& p, const char* function) {
+void launch_for_vec(const PackedConvParams& p, cudaStream_t stream, const char* function) {
   switch (p.vec) {
-    case 8: return instance_for<kDType, 8>(p);
-    case 4: return instance_for<kDType, 4>(p);
-    case 2: return instance_for<kDType, 2>(p);
-    case 1: return instance_for<kDType, 1>(p);
+    case 8: return launch_instance<kDType, 8>(p, stream);
+    case 4: return launch_instance<kDType, 4>(p, stream);
+    case 2: return launch_instance<kDType, 2>(p, stream);
+    case 1: return launch_instance<kDType, 1>(p, stream);
     default: KDA_FAIL(function, "vec ", p.vec, " has no kernel instance; supported are 8, 4, 2, 1");
   }
 }
 
-KernelFn kernel_for(const PackedConvParams& p, const char* function) {
-  switch (p.x_dtype) {
-    case DType::BF16: return instance_for_vec<DType::BF16>(p, function);
-    case DType::FP16: return instance_for_vec<DType::FP16>(p, function);
-    case DType::FP32: return instance_for_vec<DType::FP32>(p, function);
-    default:
-      KDA_FAIL(function, "x_dtype ", static_cast<int>(p.x_dtype),
-               " has no kernel instance; supported are bf16, fp16 and fp32");
-  }
-}
-
-std::size_t staging_bytes(const PackedConvParams& p) {
-  return static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(p.tile);
-}
-
-// The checks every entry point makes before it plans a launch.
-void check_args(const PackedConvArgs& args, const ConvTuning& tuning, const char* function) {
+void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
+         const char* function) {
   std::string why;
   if (!packed_causal_conv1d_supported(args, &why)) KDA_FAIL(function, why);
   why = check_tuning(args, tuning);
   if (!why.empty()) KDA_FAIL(function, why);
-}
-
-void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
-         const char* function) {
-  check_args(args, tuning, function);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
   const PackedConvParams p = make_params(args, tuning);
   // supported() and check_tuning() refused grids past CUDA's limits; checked again here because
   // a launch past them would fail silently in a captured graph.
-  const std::string why = check_grid(p);
+  why = check_grid(p);
   if (!why.empty()) KDA_FAIL(function, why);
-  const KernelFn kernel = kernel_for(p, function);
-  const dim3 grid(static_cast<unsigned>(p.cta_programs),
-                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
-  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
-  kernel<<<grid, block, staging_bytes(p), static_cast<cudaStream_t>(stream)>>>(p);
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (p.x_dtype) {
+    case DType::BF16: launch_for_vec<DType::BF16>(p, s, function); break;
+    case DType::FP16: launch_for_vec<DType::FP16>(p, s, function); break;
+    case DType::FP32: launch_for_vec<DType::FP32>(p, s, function); break;
+    default:
+      KDA_FAIL(function, "x_dtype ", static_cast<int>(p.x_dtype),
+               " has no kernel instance; supported are bf16, fp16 and fp32");
+  }
   KDA_CUDA_CHECK(function, cudaGetLastError());
 }
 
@@ -228,18 +219,6 @@ void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
 
 void launch_packed_conv(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream) {
   run(args, tuning, stream, "kda::conv::launch_packed_conv");
-}
-
-int64_t resident_cta_slots(const PackedConvArgs& args, const ConvTuning& tuning) {
-  const char* function = "kda::conv::resident_cta_slots";
-  check_args(args, tuning, function);
-  const PackedConvParams p = make_params(args, tuning);
-  int device = 0, sms = 0, per_sm = 0;
-  KDA_CUDA_CHECK(function, cudaGetDevice(&device));
-  KDA_CUDA_CHECK(function, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  KDA_CUDA_CHECK(function, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                               &per_sm, kernel_for(p, function), p.warps_per_cta * 32, staging_bytes(p)));
-  return static_cast<int64_t>(per_sm) * sms;
 }
 
 }  // namespace kda::conv

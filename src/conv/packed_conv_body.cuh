@@ -521,22 +521,14 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   return true;
 }
 
-// The first chunk program of CTA x: the first cta_extra CTAs run chunks_per_cta + 1 programs
-// (a balanced grid), the others chunks_per_cta.
-KDA_HOST_DEVICE KDA_INLINE int64_t cta_first_program(const PackedConvParams& p, int64_t cta) {
-  return cta * p.chunks_per_cta + (cta < p.cta_extra ? cta : p.cta_extra);
-}
-
-// How many chunk programs CTA x runs: chunks_per_cta (+ 1 for the first cta_extra), fewer in
-// the last CTA of a grid that is not balanced.
+// How many chunk programs CTA x runs: chunks_per_cta, fewer in the grid's last CTA.
 KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int64_t cta) {
-  const int64_t want = p.chunks_per_cta + (cta < p.cta_extra ? 1 : 0);
-  const int64_t left = p.programs_per_col_block - cta_first_program(p, cta);
-  return static_cast<int>(left < want ? left : want);
+  const int64_t left = p.programs_per_col_block - cta * p.chunks_per_cta;
+  return left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
 }
 
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
-// after another by one warp (the kernel's CTA x runs programs cta_first_program(x) + j). `first`
+// after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
 // is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). A program that
 // continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
 // its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.

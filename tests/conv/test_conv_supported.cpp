@@ -447,25 +447,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
     const kda::conv::PackedConvParams p = kda::conv::make_params(a, {0, 0, 0, 8});
     CHECK(p.cta_programs == (2048 / 16 + 4 + 7) / 8);
   }
-  SUBCASE("max_ctas") {
-    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 0, -1}) == "max_ctas -1 is negative (0: no balanced grid)");
-    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 2, 100}) ==
-          "max_ctas 100 and chunks_per_cta 2 exclude each other (a balanced grid sizes the CTAs' "
-          "ranges itself)");
-    // 132 programs per column block, 6 x 3 column groups: 180 CTAs are 10 per group, so
-    // 13 programs each and one more for the first 2.
-    const kda::conv::PackedConvParams q = kda::conv::make_params(a, {0, 0, 0, 0, 180});
-    CHECK(q.cta_programs == 10);
-    CHECK(q.chunks_per_cta == 13);
-    CHECK(q.cta_extra == 2);
-    CHECK(q.num_ctas == 180);
-    // Fewer CTAs than groups: one per group; more than programs: one program each.
-    CHECK(kda::conv::make_params(a, {0, 0, 0, 0, 5}).cta_programs == 1);
-    const kda::conv::PackedConvParams r = kda::conv::make_params(a, {0, 0, 0, 0, 100000});
-    CHECK(r.cta_programs == 132);
-    CHECK(r.chunks_per_cta == 1);
-    CHECK(r.cta_extra == 0);
-  }
   SUBCASE("too much shared memory") {
     CHECK(kda::conv::check_tuning(a, {8, 0, 8}) ==
           "warps_per_cta 8 with vec 8 needs 59136 bytes of shared memory, more than 49152");
