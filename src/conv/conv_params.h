@@ -15,6 +15,12 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
+  // Experiments (session 7), off by default. warp_search: every warp of a CTA searches its
+  // first chunk itself instead of waiting at a barrier for warp 0's. direct_taps: with the
+  // dense (dim, 4) weight layout each lane loads its own channels' taps as 16-byte vectors
+  // instead of staging the tile through shared memory.
+  bool warp_search = false;
+  bool direct_taps = false;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -68,6 +74,8 @@ struct PackedConvParams {
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
+  bool warp_search = false;          // ConvTuning's experiments
+  bool direct_taps = false;
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),

@@ -135,6 +135,14 @@ packed_conv_kernel(const PackedConvParams p) {
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
+  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
+  if (p.warp_search) {  // an experiment (ConvTuning::warp_search): no barrier, no sharing
+    if (plane_col_block >= p.cols_per_plane) return;
+    const ProgramChunk own = locate_chunk(p, first_program, lane, ops);
+    packed_conv_programs<Traits, kSilu, kHasBias>(p, own, first_program, cta_program_count(p, blockIdx.x),
+                                                  blockIdx.z, plane_col_block, lane, ops);
+    return;
+  }
   if (warp == 0) {
     const ProgramChunk pc = locate_chunk(p, first_program, lane, ops);
     if (lane == 0) {
@@ -154,7 +162,6 @@ packed_conv_kernel(const PackedConvParams p) {
   pc.end = located[3];
   pc.seq_begin = located[4];
   pc.seq_end = located[5];
-  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
   packed_conv_programs<Traits, kSilu, kHasBias>(p, pc, first_program, cta_program_count(p, blockIdx.x),
                                                 blockIdx.z, plane_col_block, lane, ops);

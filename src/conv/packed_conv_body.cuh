@@ -333,6 +333,22 @@ template <class Traits, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_t tile_begin, int64_t c0,
                                                int lane, Ops& ops, LaneTaps<Traits::kVec>& t) {
   using Taps = TileStaging<Traits::kTile, Traits::kVec, 4>;
+  // The dense (dim, 4) layout, 16-byte aligned: channel c's 4 taps are one vector, and the lane's
+  // kVec vectors are contiguous (a warp reads one contiguous block). Warp-uniform condition.
+  if (p.direct_taps && p.weight_stride_dim == 4 && p.weight_stride_tap == 1 &&
+      (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0) {
+    KDA_UNROLL
+    for (int v = 0; v < Traits::kVec; ++v) {
+      const Float4 q = ops.load4_ro(p.weight + (c0 + v) * 4);
+      t.w0[v] = q.x;
+      t.w1[v] = q.y;
+      t.w2[v] = q.z;
+      t.w3[v] = q.w;
+    }
+    KDA_UNROLL
+    for (int v = 0; v < Traits::kVec; ++v) t.acc0[v] = kHasBias ? ops.load_ro(p.bias + c0 + v) : 0.0f;
+    return;
+  }
   float* const stage_taps = ops.stage();
   Taps::template gather<true>(ops, stage_taps, p.weight + tile_begin * p.weight_stride_dim,
                               p.weight_stride_dim, p.weight_stride_tap, lane);

@@ -566,6 +566,32 @@ TEST_CASE("the emulated kernel equals the reference for every conv-state and wei
   }
 }
 
+// ConvTuning::direct_taps: each lane loads its taps as vectors (dense (dim, 4) weights only; the
+// other layouts keep the staged walk, which the strided case checks still runs correctly).
+TEST_CASE("the emulated kernel equals the reference with taps loaded per lane") {
+  for (DType dtype : {DType::BF16, DType::FP32}) {
+    for (bool bias : {false, true}) {
+      for (int vec : {1, 2, 4, 8}) {
+        CAPTURE(vec);
+        CAPTURE(bias);
+        Problem pr = base_problem(dtype);
+        pr.bias = bias;
+        fill(pr, 41 + vec);
+        kda::conv::ConvTuning t{vec, 16, 2, 2};
+        t.direct_taps = true;
+        check_outcome(compare(pr, t));
+      }
+    }
+  }
+  Problem pr = base_problem(DType::BF16);
+  pr.weight_stride_dim = 5;
+  pr.weight_stride_tap = 1;
+  fill(pr, 9);
+  kda::conv::ConvTuning t{4, 16, 4, 2};
+  t.direct_taps = true;
+  check_outcome(compare(pr, t));
+}
+
 TEST_CASE("the emulated kernel honours bias, SiLU, flags, null block and plane stride options") {
   Problem pr = base_problem(DType::BF16);
   SUBCASE("bias and SiLU") { pr.bias = true; }

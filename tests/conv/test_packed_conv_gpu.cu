@@ -855,6 +855,31 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
           check_leaks(find_leaks(hp, rp), "packed");
           ++run;
         }
+    // The session-7 experiments: every warp searching, taps loaded per lane, and both.
+    for (int mode = 1; mode <= 3; ++mode)
+      for (int vec : {1, 4, 8})
+        for (int per_cta : {1, 2}) {
+          kda::conv::ConvTuning t{vec, 16, 4, per_cta};
+          t.warp_search = (mode & 1) != 0;
+          t.direct_taps = (mode & 2) != 0;
+          if (!kda::conv::check_tuning(pa, t).empty()) {
+            ++invalid;
+            continue;
+          }
+          CAPTURE(mode);
+          CAPTURE(vec);
+          CAPTURE(per_cta);
+          packed.reset(hp);
+          kda::conv::launch_packed_conv(pa, t, stream.get());
+          KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
+          const Result rp = packed.download();
+          const int64_t bits = diff_bits(rp.out.data(), rs.out.data(), rp.out.size()) +
+                               diff_bits(rp.states.data(), rs.states.data(), rp.states.size() * sizeof(float));
+          total_bits += bits;
+          CHECK(bits == 0);
+          check_leaks(find_leaks(hp, rp), "packed");
+          ++run;
+        }
     std::ostringstream msg;
     msg << dtype_str(dtype) << ": " << run << " tunings run (" << invalid << " rejected by check_tuning), "
         << total_bits << " bits differ from the stock path in total";
