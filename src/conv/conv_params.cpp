@@ -161,8 +161,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
                                                : default_chunks_per_cta(args.num_tokens);
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
-  p.warp_search = tuning.warp_search;
-  p.direct_taps = tuning.direct_taps;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;
 }

@@ -15,12 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // Experiments (session 7), off by default. warp_search: every warp of a CTA searches its
-  // first chunk itself instead of waiting at a barrier for warp 0's. direct_taps: with the
-  // dense (dim, 4) weight layout each lane loads its own channels' taps as 16-byte vectors
-  // instead of staging the tile through shared memory.
-  bool warp_search = false;
-  bool direct_taps = false;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -64,9 +58,10 @@ struct PackedConvParams {
   // The grid is (cta_programs, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
   // programs x * chunks_per_cta + j (j < chunks_per_cta, < programs_per_col_block) one after
   // another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
-  // plane z. Every warp of a CTA runs the same chunks, so one warp searches for the first; each
-  // warp derives the next ones without a search up to a sequence boundary (carrying its history
-  // there), and no program index is ever divided. Chunk programs vary fastest, so the CTAs in
+  // plane z. Every warp searches its first chunk itself (no barrier: a warp that waited for
+  // another's search started its row loads later, 1-3% slower, docs/perf-notes.md session 7)
+  // and derives the next ones without a search up to a sequence boundary (carrying its history
+  // there); no program index is ever divided. Chunk programs vary fastest, so the CTAs in
   // flight read a band of columns over many rows; the opposite order (a whole row's column
   // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
@@ -74,8 +69,6 @@ struct PackedConvParams {
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
-  bool warp_search = false;          // ConvTuning's experiments
-  bool direct_taps = false;
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),

@@ -118,9 +118,10 @@ struct DeviceOps {
 };
 
 // CTA (x, y, z): chunk programs x * chunks_per_cta + j, column blocks y * warps + warp of plane z
-// (conv_params.h). Warp 0 finds the first program's chunk (the radix search's dependent loads)
-// and shares it through shared memory, so the other warps spend no instructions on it; each
-// warp then walks the CTA's programs (packed_conv_programs).
+// (conv_params.h). Each warp finds its first program's chunk itself (the radix search's
+// dependent loads; its CTA's other warps load the same words, which L1 serves) and walks the
+// CTA's programs (packed_conv_programs). No barrier: the warps of a CTA never wait for each
+// other, so each issues its row loads as soon as its own search answers.
 //
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
@@ -129,41 +130,15 @@ template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
-  __shared__ int64_t located[6];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
+  if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
-  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
-  if (p.warp_search) {  // an experiment (ConvTuning::warp_search): no barrier, no sharing
-    if (plane_col_block >= p.cols_per_plane) return;
-    const ProgramChunk own = locate_chunk(p, first_program, lane, ops);
-    packed_conv_programs<Traits, kSilu, kHasBias>(p, own, first_program, cta_program_count(p, blockIdx.x),
-                                                  blockIdx.z, plane_col_block, lane, ops);
-    return;
-  }
-  if (warp == 0) {
-    const ProgramChunk pc = locate_chunk(p, first_program, lane, ops);
-    if (lane == 0) {
-      located[0] = pc.seq;
-      located[1] = pc.chunk;
-      located[2] = pc.begin;
-      located[3] = pc.end;
-      located[4] = pc.seq_begin;
-      located[5] = pc.seq_end;
-    }
-  }
-  __syncthreads();
-  ProgramChunk pc;
-  pc.seq = located[0];
-  pc.chunk = located[1];
-  pc.begin = located[2];
-  pc.end = located[3];
-  pc.seq_begin = located[4];
-  pc.seq_end = located[5];
-  if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  packed_conv_programs<Traits, kSilu, kHasBias>(p, pc, first_program, cta_program_count(p, blockIdx.x),
+  const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
+  packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
                                                 blockIdx.z, plane_col_block, lane, ops);
 }
 

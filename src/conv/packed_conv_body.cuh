@@ -19,8 +19,8 @@
 // of one tile (packed_conv_programs), searching with locate_chunk only at sequence boundaries.
 // Each lane owns vec adjacent channels: it keeps their taps, bias and 3 history rows in
 // registers across its programs and streams each chunk's rows through a register queue of
-// kQueueRows loads in flight. Taps and conv state move through the warp's staging area in
-// memory order. The arithmetic is silu_recipe.h's.
+// kQueueRows loads in flight. The conv state (and taps of a non-dense weight layout) move
+// through the warp's staging area in memory order. The arithmetic is silu_recipe.h's.
 #pragma once
 
 #include <cstdint>
@@ -327,15 +327,18 @@ struct LaneHistory {
   float h1[kVec], h2[kVec], h3[kVec];
 };
 
-// Taps (through the warp's staging area, in memory order) and bias of the tile that starts at
-// channel tile_begin; the lane's channels start at c0.
+// Taps and bias of the tile that starts at channel tile_begin; the lane's channels start at c0.
+// Dense weights load per lane; any other layout moves through the warp's staging area in memory
+// order.
 template <class Traits, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_t tile_begin, int64_t c0,
                                                int lane, Ops& ops, LaneTaps<Traits::kVec>& t) {
   using Taps = TileStaging<Traits::kTile, Traits::kVec, 4>;
-  // The dense (dim, 4) layout, 16-byte aligned: channel c's 4 taps are one vector, and the lane's
-  // kVec vectors are contiguous (a warp reads one contiguous block). Warp-uniform condition.
-  if (p.direct_taps && p.weight_stride_dim == 4 && p.weight_stride_tap == 1 &&
+  // The dense (dim, 4) layout, 16-byte aligned: channel c's 4 taps are one vector and the lane's
+  // kVec vectors are contiguous (the warp reads one contiguous block), so each lane loads its
+  // own, with no staging and no syncwarp between the row loads and the cache-line load: 1-6%
+  // faster than the staged walk (docs/perf-notes.md, session 7). Warp-uniform condition.
+  if (p.weight_stride_dim == 4 && p.weight_stride_tap == 1 &&
       (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0) {
     KDA_UNROLL
     for (int v = 0; v < Traits::kVec; ++v) {
@@ -545,7 +548,7 @@ KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int6
 
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
 // after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
-// is the first one's chunk (the kernel's warp 0 searched it for the whole CTA). A program that
+// is the first one's chunk (the warp searched it). A program that
 // continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
 // its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>

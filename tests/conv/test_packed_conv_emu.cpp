@@ -230,7 +230,7 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.stage = range_of(warp.stage_storage);
 
   // Every (CTA program group, plane, column block) of the grid, one after another on one
-  // emulated warp; each searches its first chunk as the kernel's warp 0 does for its CTA.
+  // emulated warp; each searches its first chunk as every warp of the kernel does.
   std::vector<std::thread> lanes;
   for (int lane = 0; lane < 32; ++lane) {
     lanes.emplace_back([&, lane] {
@@ -566,9 +566,9 @@ TEST_CASE("the emulated kernel equals the reference for every conv-state and wei
   }
 }
 
-// ConvTuning::direct_taps: each lane loads its taps as vectors (dense (dim, 4) weights only; the
-// other layouts keep the staged walk, which the strided case checks still runs correctly).
-TEST_CASE("the emulated kernel equals the reference with taps loaded per lane") {
+// Dense (dim, 4) weights load per lane as vectors, every other layout through the staging area:
+// both paths at every vector width, with and without a bias.
+TEST_CASE("the emulated kernel equals the reference with taps loaded per lane and staged") {
   for (DType dtype : {DType::BF16, DType::FP32}) {
     for (bool bias : {false, true}) {
       for (int vec : {1, 2, 4, 8}) {
@@ -577,19 +577,14 @@ TEST_CASE("the emulated kernel equals the reference with taps loaded per lane") 
         Problem pr = base_problem(dtype);
         pr.bias = bias;
         fill(pr, 41 + vec);
-        kda::conv::ConvTuning t{vec, 16, 2, 2};
-        t.direct_taps = true;
-        check_outcome(compare(pr, t));
+        check_outcome(compare(pr, {vec, 16, 2, 2}));
+        Problem strided = pr;
+        strided.weight_stride_dim = 5;
+        fill(strided, 51 + vec);
+        check_outcome(compare(strided, {vec, 16, 2, 2}));
       }
     }
   }
-  Problem pr = base_problem(DType::BF16);
-  pr.weight_stride_dim = 5;
-  pr.weight_stride_tap = 1;
-  fill(pr, 9);
-  kda::conv::ConvTuning t{4, 16, 4, 2};
-  t.direct_taps = true;
-  check_outcome(compare(pr, t));
 }
 
 TEST_CASE("the emulated kernel honours bias, SiLU, flags, null block and plane stride options") {
