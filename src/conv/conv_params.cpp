@@ -175,12 +175,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
     p.cta_programs = p.head_ctas;
   }
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
-  p.fast_divide = p.num_ctas < kFastDivideLimit;
-  if (p.fast_divide) {
-    p.head_ctas_div = make_fast_divisor(std::max<int64_t>(p.head_ctas, 1));
-    p.tail_programs_div = make_fast_divisor(std::max<int64_t>(p.tail_programs, 1));
-    p.col_groups_div = make_fast_divisor(p.col_groups_per_plane);
-  }
   return p;
 }
 

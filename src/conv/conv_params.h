@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <string>
 
-#include "conv/fast_divide.h"
 #include "kda/packed_conv.h"
 
 namespace kda::conv {
@@ -77,10 +76,6 @@ struct PackedConvParams {
   // tail_programs) / chunks_per_cta) CTAs per column group run the rest.
   int64_t tail_programs = 0;
   int64_t head_ctas = 0;
-  // cta_work divides a CTA's linear index by these three; by multiplication when num_ctas
-  // < kFastDivideLimit (fast_divide.h), else with 64-bit divisions.
-  bool fast_divide = false;
-  FastDivisor head_ctas_div, tail_programs_div, col_groups_div;
   int64_t cta_programs = 0;          // head_ctas + tail_programs
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents

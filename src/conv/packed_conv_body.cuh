@@ -558,22 +558,19 @@ KDA_HOST_DEVICE KDA_INLINE CtaWork cta_work(const PackedConvParams& p, int64_t c
   CtaWork w;
   const int64_t head_programs = p.programs_per_col_block - p.tail_programs;
   const int64_t head = p.head_ctas * p.col_groups_per_plane * p.planes;
-  const auto divide = [&p](int64_t n, int64_t d, const FastDivisor& f) {
-    return p.fast_divide ? fast_divide(n, f) : n / d;
-  };
   int64_t group;
   if (cta < head) {
-    group = divide(cta, p.head_ctas, p.head_ctas_div);
+    group = cta / p.head_ctas;
     w.first_program = (cta - group * p.head_ctas) * p.chunks_per_cta;
     const int64_t left = head_programs - w.first_program;
     w.count = left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
   } else {
     const int64_t t = cta - head;
-    group = divide(t, p.tail_programs, p.tail_programs_div);
+    group = t / p.tail_programs;
     w.first_program = head_programs + (t - group * p.tail_programs);
     w.count = 1;
   }
-  w.plane = divide(group, p.col_groups_per_plane, p.col_groups_div);
+  w.plane = group / p.col_groups_per_plane;
   w.col_group = group - w.plane * p.col_groups_per_plane;
   return w;
 }

@@ -1,8 +1,7 @@
 // The packed conv's device-side program map (conv/program_map.h), checked on the CPU against
 // a naive scan: every token is covered exactly once, chunks stay inside their sequence, only
 // chunk 0 starts at a sequence start, and the radix-32 search (scalar and ballot-style) finds
-// the same sequence as a plain search. Also the division by multiplication that maps a CTA's
-// linear index to its work (conv/fast_divide.h).
+// the same sequence as a plain search.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "conv/fast_divide.h"
 #include "conv/program_map.h"
 
 namespace {
@@ -312,38 +310,4 @@ TEST_CASE("the map handles 40000 sequences, padded capacity and a huge sequence"
     }
     CHECK(working == needed);
   }
-}
-
-// fast_divide against integer division: divisors from 1 to 2^31 - 1 (powers of two, their
-// neighbours, the benchmark grids' extents), dividends at every multiple's edges, the top of the
-// range and at random. A multiplier one too small is caught, so the check can fail.
-TEST_CASE("fast_divide equals integer division for every dividend below 2^31") {
-  std::mt19937_64 rng(2026);
-  std::vector<int64_t> divisors = {1, 2, 3, 5, 7, 9, 12, 63, 64, 65, 257, 484, 528, 1056, 4617,
-                                   1000003, (1 << 20) + 1, 1 << 30, (int64_t{1} << 31) - 1};
-  for (int i = 0; i < 200; ++i) divisors.push_back(1 + static_cast<int64_t>(rng() % ((uint64_t{1} << 31) - 1)));
-  const int64_t top = kda::conv::kFastDivideLimit - 1;
-  int64_t checked = 0, wrong = 0;
-  for (int64_t d : divisors) {
-    const kda::conv::FastDivisor f = kda::conv::make_fast_divisor(d);
-    std::vector<int64_t> dividends = {0, 1, d - 1, d, d + 1, top, top - 1, top - d, top / d * d, top / d * d - 1};
-    for (int64_t k : {2, 3, 1000, 65535})
-      if (k * d <= top) {
-        dividends.push_back(k * d - 1);
-        dividends.push_back(k * d);
-      }
-    for (int i = 0; i < 2000; ++i) dividends.push_back(static_cast<int64_t>(rng() % (uint64_t{1} << 31)));
-    for (int64_t n : dividends) {
-      if (n < 0 || n > top) continue;
-      ++checked;
-      if (kda::conv::fast_divide(n, f) != n / d) ++wrong;
-    }
-  }
-  CHECK(wrong == 0);
-  CHECK(checked > 400000);
-  kda::conv::FastDivisor low = kda::conv::make_fast_divisor(7);
-  low.multiplier -= 1;
-  bool caught = false;
-  for (int64_t n = 0; n <= top && !caught; n += 7) caught = kda::conv::fast_divide(n, low) != n / 7;
-  CHECK(caught);
 }
