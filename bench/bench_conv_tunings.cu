@@ -450,15 +450,6 @@ int main(int argc, char** argv) {
       for (int warps : {2, 4, 8}) tunings.push_back({4, 16, warps, per_cta});
     for (int per_cta : {2, 4, 8}) tunings.push_back({8, 8, 4, per_cta});
     for (int per_cta : {1, 2, 4}) tunings.push_back({2, 16, 4, per_cta});
-    // Tails of one-program CTAs at the grid's end (session 7): none, half, one (the default)
-    // and two waves of the 528 resident 4-warp CTAs of the H200 (1056 of 2 warps).
-    for (int warps : {2, 4})
-      for (int per_cta : {2, 4})
-        for (int64_t tail : {int64_t{0}, int64_t{264}, int64_t{-1}, int64_t{1056}}) {
-          kda::conv::ConvTuning t{4, 16, warps, per_cta};
-          t.tail_ctas = tail * (tail > 0 ? 4 / warps : 1);
-          tunings.push_back(t);
-        }
     std::mt19937_64 rng(42);
     bool mismatch = false;
     std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/per_cta) us | x copy | best us | x copy | best tuning |\n");
@@ -492,18 +483,17 @@ int main(int argc, char** argv) {
           best = us;
           best_t = t;
         }
-        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d tail %5lld: %8.2f us (%.3f x copy)%s\n",
+        std::snprintf(line, sizeof line, "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, static_cast<long long>(t.tail_ctas), us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
         std::fputs(line, stderr);  // as it is measured, in case the run is cut short
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d tail %lld |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
                   def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.chunks_per_cta, def_us / copy,
-                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta,
-                  static_cast<long long>(best_t.tail_ctas));
+                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

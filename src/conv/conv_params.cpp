@@ -1,7 +1,5 @@
 #include "conv/conv_params.h"
 
-#include <algorithm>
-
 #include <cstdint>
 
 #include "common/check.h"
@@ -85,8 +83,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (w != 1 && w != 2 && w != 4 && w != 8)
       return detail::str_cat("warps_per_cta ", w, " is not one of 1, 2, 4, 8 (or 0 for the default)");
   }
-  if (tuning.tail_ctas < -1)
-    return detail::str_cat("tail_ctas ", tuning.tail_ctas, " is below -1 (-1: the default, 0: no tail)");
   if (tuning.chunks_per_cta != 0) {
     const int k = tuning.chunks_per_cta;
     if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
@@ -164,16 +160,7 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
                                                : default_chunks_per_cta(args.num_tokens);
-  const int64_t groups = p.col_groups_per_plane * p.planes;
-  const int64_t tail_ctas = tuning.tail_ctas > 0 && p.chunks_per_cta > 1 ? tuning.tail_ctas : 0;
-  p.tail_programs = std::min(p.programs_per_col_block, (tail_ctas + groups - 1) / groups);
-  p.head_ctas = (p.programs_per_col_block - p.tail_programs + p.chunks_per_cta - 1) / p.chunks_per_cta;
-  p.cta_programs = p.head_ctas + p.tail_programs;
-  if (p.tail_programs > 0 && p.cta_programs > kMaxGridX) {  // a tail never makes a grid too large
-    p.tail_programs = 0;
-    p.head_ctas = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
-    p.cta_programs = p.head_ctas;
-  }
+  p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;
 }

@@ -15,11 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // An experiment (session 7): about this many CTAs of one chunk program each at the end of the
-  // grid (the last to start), so that the grid's last wave has short dependent chains. -1: the
-  // launcher's choice (one wave of resident CTAs when chunks_per_cta > 1; make_params alone,
-  // having no device, takes none); 0: none.
-  int64_t tail_ctas = -1;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -71,12 +66,7 @@ struct PackedConvParams {
   // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
   // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
   int chunks_per_cta = 1;
-  // The tail: the last tail_programs programs of every column block run in CTAs of one program,
-  // numbered after all the others (cta_work). head_ctas = ceil((programs_per_col_block -
-  // tail_programs) / chunks_per_cta) CTAs per column group run the rest.
-  int64_t tail_programs = 0;
-  int64_t head_ctas = 0;
-  int64_t cta_programs = 0;          // head_ctas + tail_programs
+  int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
 };

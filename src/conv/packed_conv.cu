@@ -117,7 +117,8 @@ struct DeviceOps {
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
-// A CTA's chunk programs, column group and plane: cta_work of its linear index (conv_params.h). Each warp finds its first program's chunk itself (the radix search's
+// CTA (x, y, z): chunk programs x * chunks_per_cta + j, column blocks y * warps + warp of plane z
+// (conv_params.h). Each warp finds its first program's chunk itself (the radix search's
 // dependent loads; its CTA's other warps load the same words, which L1 serves) and walks the
 // CTA's programs (packed_conv_programs). No barrier: the warps of a CTA never wait for each
 // other, so each issues its row loads as soon as its own search answers.
@@ -131,78 +132,45 @@ packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t cta = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
-  const CtaWork w = cta_work(p, cta);
-  const int64_t plane_col_block = w.col_group * (blockDim.x / 32) + warp;
+  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
-  const ProgramChunk first = locate_chunk(p, w.first_program, lane, ops);
-  packed_conv_programs<Traits, kSilu, kHasBias>(p, first, w.first_program, w.count, w.plane,
-                                                plane_col_block, lane, ops);
+  const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
+  const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
+  packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
+                                                blockIdx.z, plane_col_block, lane, ops);
 }
 
-using KernelFn = void (*)(PackedConvParams);
-
-// The kernel instance for p's element type, vector width, SiLU and bias.
 template <DType kDType, int kVec>
-KernelFn instance_for(const PackedConvParams& p) {
+void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
+  const dim3 grid(static_cast<unsigned>(p.cta_programs),
+                  static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
+  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
+  const std::size_t staging_bytes =
+      static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if (p.silu && has_bias) return packed_conv_kernel<Traits, true, true>;
-  if (p.silu) return packed_conv_kernel<Traits, true, false>;
-  if (has_bias) return packed_conv_kernel<Traits, false, true>;
-  return packed_conv_kernel<Traits, false, false>;
+  if (p.silu && has_bias) {
+    packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (p.silu) {
+    packed_conv_kernel<Traits, true, false><<<grid, block, staging_bytes, stream>>>(p);
+  } else if (has_bias) {
+    packed_conv_kernel<Traits, false, true><<<grid, block, staging_bytes, stream>>>(p);
+  } else {
+    packed_conv_kernel<Traits, false, false><<<grid, block, staging_bytes, stream>>>(p);
+  }
 }
 
 template <DType kDType>
-KernelFn instance_for_vec(const PackedConvParams& p, const char* function) {
+void launch_for_vec(const PackedConvParams& p, cudaStream_t stream, const char* function) {
   switch (p.vec) {
-    case 8: return instance_for<kDType, 8>(p);
-    case 4: return instance_for<kDType, 4>(p);
-    case 2: return instance_for<kDType, 2>(p);
-    case 1: return instance_for<kDType, 1>(p);
+    case 8: return launch_instance<kDType, 8>(p, stream);
+    case 4: return launch_instance<kDType, 4>(p, stream);
+    case 2: return launch_instance<kDType, 2>(p, stream);
+    case 1: return launch_instance<kDType, 1>(p, stream);
     default: KDA_FAIL(function, "vec ", p.vec, " has no kernel instance; supported are 8, 4, 2, 1");
   }
-}
-
-KernelFn kernel_for(const PackedConvParams& p, const char* function) {
-  switch (p.x_dtype) {
-    case DType::BF16: return instance_for_vec<DType::BF16>(p, function);
-    case DType::FP16: return instance_for_vec<DType::FP16>(p, function);
-    case DType::FP32: return instance_for_vec<DType::FP32>(p, function);
-    default:
-      KDA_FAIL(function, "x_dtype ", static_cast<int>(p.x_dtype),
-               " has no kernel instance; supported are bf16, fp16 and fp32");
-  }
-}
-
-std::size_t staging_bytes(const PackedConvParams& p) {
-  return static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(p.tile);
-}
-
-// CTAs of p's instance and block size that the current device holds at once. The occupancy
-// query costs microseconds, so the last answer is kept per thread (a device, a kernel and a
-// block size determine it).
-int64_t resident_ctas(const PackedConvParams& p, KernelFn kernel, const char* function) {
-  struct Cached {
-    int device = -1;
-    KernelFn kernel = nullptr;
-    int threads = 0;
-    int64_t ctas = 0;
-  };
-  thread_local Cached cached;
-  int device = 0;
-  KDA_CUDA_CHECK(function, cudaGetDevice(&device));
-  const int threads = p.warps_per_cta * 32;
-  if (cached.device != device || cached.kernel != kernel || cached.threads != threads) {
-    int sms = 0, per_sm = 0;
-    KDA_CUDA_CHECK(function, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    KDA_CUDA_CHECK(function, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
-                                                                           staging_bytes(p)));
-    cached = Cached{device, kernel, threads, static_cast<int64_t>(sms) * per_sm};
-  }
-  return cached.ctas;
 }
 
 void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
@@ -212,22 +180,20 @@ void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
   why = check_tuning(args, tuning);
   if (!why.empty()) KDA_FAIL(function, why);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
-  PackedConvParams p = make_params(args, tuning);
-  const KernelFn kernel = kernel_for(p, function);
-  if (tuning.tail_ctas == -1 && p.chunks_per_cta > 1) {
-    // The default tail: one wave of resident CTAs (the device is fixed for a captured launch).
-    ConvTuning resolved = tuning;
-    resolved.tail_ctas = resident_ctas(p, kernel, function);
-    p = make_params(args, resolved);
-  }
+  const PackedConvParams p = make_params(args, tuning);
   // supported() and check_tuning() refused grids past CUDA's limits; checked again here because
   // a launch past them would fail silently in a captured graph.
   why = check_grid(p);
   if (!why.empty()) KDA_FAIL(function, why);
-  const dim3 grid(static_cast<unsigned>(p.cta_programs), static_cast<unsigned>(p.col_groups_per_plane),
-                  static_cast<unsigned>(p.planes));
-  const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
-  kernel<<<grid, block, staging_bytes(p), static_cast<cudaStream_t>(stream)>>>(p);
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (p.x_dtype) {
+    case DType::BF16: launch_for_vec<DType::BF16>(p, s, function); break;
+    case DType::FP16: launch_for_vec<DType::FP16>(p, s, function); break;
+    case DType::FP32: launch_for_vec<DType::FP32>(p, s, function); break;
+    default:
+      KDA_FAIL(function, "x_dtype ", static_cast<int>(p.x_dtype),
+               " has no kernel instance; supported are bf16, fp16 and fp32");
+  }
   KDA_CUDA_CHECK(function, cudaGetLastError());
 }
 

@@ -540,43 +540,14 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   return true;
 }
 
-// What one CTA runs: chunk programs first_program .. first_program + count - 1 of the column
-// blocks col_group * warps_per_cta + w of plane `plane`.
-struct CtaWork {
-  int64_t first_program = 0;
-  int count = 0;
-  int64_t col_group = 0;
-  int64_t plane = 0;
-};
-
-// The work of the CTA with linear index `cta` (x fastest, as CUDA numbers and, in order,
-// starts them). The first head_ctas * groups CTAs run chunks_per_cta programs each, chunk
-// programs varying fastest; the rest (the tail, started last) run one program each of the last
-// tail_programs programs of every column block. Without a tail this is CTA (x, y, z) running
-// programs x * chunks_per_cta + j of column group y of plane z.
-KDA_HOST_DEVICE KDA_INLINE CtaWork cta_work(const PackedConvParams& p, int64_t cta) {
-  CtaWork w;
-  const int64_t head_programs = p.programs_per_col_block - p.tail_programs;
-  const int64_t head = p.head_ctas * p.col_groups_per_plane * p.planes;
-  int64_t group;
-  if (cta < head) {
-    group = cta / p.head_ctas;
-    w.first_program = (cta - group * p.head_ctas) * p.chunks_per_cta;
-    const int64_t left = head_programs - w.first_program;
-    w.count = left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
-  } else {
-    const int64_t t = cta - head;
-    group = t / p.tail_programs;
-    w.first_program = head_programs + (t - group * p.tail_programs);
-    w.count = 1;
-  }
-  w.plane = group / p.col_groups_per_plane;
-  w.col_group = group - w.plane * p.col_groups_per_plane;
-  return w;
+// How many chunk programs CTA x runs: chunks_per_cta, fewer in the grid's last CTA.
+KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int64_t cta) {
+  const int64_t left = p.programs_per_col_block - cta * p.chunks_per_cta;
+  return left < p.chunks_per_cta ? static_cast<int>(left) : p.chunks_per_cta;
 }
 
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
-// after another by one warp (a CTA's cta_work). `first`
+// after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
 // is the first one's chunk (the warp searched it). A program that
 // continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
 // its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.

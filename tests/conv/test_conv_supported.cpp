@@ -441,11 +441,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
     CHECK(kda::conv::check_tuning(a, {0, 0, 3}) ==
           "warps_per_cta 3 is not one of 1, 2, 4, 8 (or 0 for the default)");
   }
-  SUBCASE("tail_ctas -2") {
-    ConvTuning t;
-    t.tail_ctas = -2;
-    CHECK(kda::conv::check_tuning(a, t) == "tail_ctas -2 is below -1 (-1: the default, 0: no tail)");
-  }
   SUBCASE("chunks_per_cta 3") {
     CHECK(kda::conv::check_tuning(a, {0, 0, 0, 3}) ==
           "chunks_per_cta 3 is not one of 1, 2, 4, 8, 16 (or 0 for the default)");

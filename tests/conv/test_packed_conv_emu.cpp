@@ -7,7 +7,6 @@
 // the body routes through its Ops is also checked for alignment and bounds.
 // What this cannot check: the device SiLU bits (the GPU tests compare with the stock
 // baseline), timing, occupancy and the launch itself.
-#include <algorithm>
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -230,33 +229,30 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.state = range_of(state);
   warp.stage = range_of(warp.stage_storage);
 
-  // Every CTA of the grid (cta_work of its linear index) and each of its warps, one after
-  // another on one emulated warp; each searches its first chunk as every warp of the kernel does.
+  // Every (CTA program group, plane, column block) of the grid, one after another on one
+  // emulated warp; each searches its first chunk as every warp of the kernel does.
   std::vector<std::thread> lanes;
   for (int lane = 0; lane < 32; ++lane) {
     lanes.emplace_back([&, lane] {
       HostOps ops{&warp, lane};
-      for (int64_t cta = 0; cta < p.num_ctas; ++cta) {
-        const kda::conv::CtaWork work = kda::conv::cta_work(p, cta);
-        for (int w = 0; w < p.warps_per_cta; ++w) {
-          const int64_t col = work.col_group * p.warps_per_cta + w, plane = work.plane;
-          if (col >= p.cols_per_plane) continue;
-          const int64_t first = work.first_program;
-          const int count = work.count;
-          const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
-          warp.barrier.wait();  // the search's ballots are done before the body's
-          if (p.silu && p.bias) {
-            kda::conv::packed_conv_programs<Traits, true, true>(p, pc, first, count, plane, col, lane, ops);
-          } else if (p.silu) {
-            kda::conv::packed_conv_programs<Traits, true, false>(p, pc, first, count, plane, col, lane, ops);
-          } else if (p.bias) {
-            kda::conv::packed_conv_programs<Traits, false, true>(p, pc, first, count, plane, col, lane, ops);
-          } else {
-            kda::conv::packed_conv_programs<Traits, false, false>(p, pc, first, count, plane, col, lane, ops);
+      for (int64_t cta = 0; cta < p.cta_programs; ++cta)
+        for (int64_t plane = 0; plane < p.planes; ++plane)
+          for (int64_t col = 0; col < p.cols_per_plane; ++col) {
+            const int64_t first = cta * p.chunks_per_cta;
+            const int count = kda::conv::cta_program_count(p, cta);
+            const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
+            warp.barrier.wait();  // the search's ballots are done before the body's
+            if (p.silu && p.bias) {
+              kda::conv::packed_conv_programs<Traits, true, true>(p, pc, first, count, plane, col, lane, ops);
+            } else if (p.silu) {
+              kda::conv::packed_conv_programs<Traits, true, false>(p, pc, first, count, plane, col, lane, ops);
+            } else if (p.bias) {
+              kda::conv::packed_conv_programs<Traits, false, true>(p, pc, first, count, plane, col, lane, ops);
+            } else {
+              kda::conv::packed_conv_programs<Traits, false, false>(p, pc, first, count, plane, col, lane, ops);
+            }
+            warp.barrier.wait();  // the next group starts when every lane is done with this one
           }
-          warp.barrier.wait();  // the next group starts when every lane is done with this one
-        }
-      }
     });
   }
   for (auto& t : lanes) t.join();
@@ -523,62 +519,6 @@ TEST_CASE("the emulated kernel equals the reference with several chunk programs 
     fill(pr, 42);
     check_outcome(compare(pr, {4, 16, 4, 8}));
   }
-  SUBCASE("a tail of one-program CTAs") {
-    for (int per_cta : {2, 4})
-      for (int64_t tail : {int64_t{1}, int64_t{7}, int64_t{40}, int64_t{100000}}) {
-        CAPTURE(per_cta);
-        CAPTURE(tail);
-        Problem pr = base_problem(DType::BF16);
-        fill(pr, 500 + per_cta + tail);
-        kda::conv::ConvTuning t{4, 16, 2, per_cta};
-        t.tail_ctas = tail;
-        check_outcome(compare(pr, t));
-      }
-  }
-}
-
-// cta_work covers every (chunk program, column group, plane) exactly once, the tail's CTAs run one
-// program each and come after every other CTA, and without a tail it is the (x, y, z) grid.
-TEST_CASE("cta_work covers every program of every column group once, the tail last") {
-  kda::PackedConvArgs a;
-  a.num_tokens = 3000;
-  a.dim = 3 * 512;
-  a.part_dim = 512;
-  a.x_row_stride = a.dim;
-  a.num_seqs = 37;
-  for (int per_cta : {1, 2, 4, 16})
-    for (int warps : {1, 2, 4})
-      for (int64_t tail : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{300}, int64_t{1} << 40}) {
-        CAPTURE(per_cta);
-        CAPTURE(warps);
-        CAPTURE(tail);
-        kda::conv::ConvTuning t{4, 16, warps, per_cta};
-        t.tail_ctas = tail;
-        const kda::conv::PackedConvParams p = kda::conv::make_params(a, t);
-        const int64_t groups = p.col_groups_per_plane * p.planes;
-        CHECK(p.num_ctas == p.cta_programs * groups);
-        CHECK(p.tail_programs == (per_cta == 1 ? 0 : std::min(p.programs_per_col_block, (tail + groups - 1) / groups)));
-        std::vector<int> seen(static_cast<std::size_t>(p.programs_per_col_block * groups), 0);
-        bool tail_started = false, ordered = true, bounded = true;
-        for (int64_t cta = 0; cta < p.num_ctas; ++cta) {
-          const kda::conv::CtaWork w = kda::conv::cta_work(p, cta);
-          const bool in_tail = w.first_program >= p.programs_per_col_block - p.tail_programs;
-          if (tail_started && !in_tail) ordered = false;
-          tail_started = tail_started || in_tail;
-          if (w.count < 1 || w.count > (in_tail ? 1 : per_cta) || w.plane >= p.planes ||
-              w.col_group >= p.col_groups_per_plane)
-            bounded = false;
-          if (p.tail_programs == 0 && (w.first_program != (cta % p.cta_programs) * per_cta ||
-                                       w.plane * p.col_groups_per_plane + w.col_group != cta / p.cta_programs))
-            bounded = false;
-          for (int j = 0; j < w.count; ++j)
-            ++seen[static_cast<std::size_t>((w.plane * p.col_groups_per_plane + w.col_group) * p.programs_per_col_block +
-                                            w.first_program + j)];
-        }
-        CHECK(ordered);
-        CHECK(bounded);
-        CHECK(std::count(seen.begin(), seen.end(), 1) == static_cast<std::ptrdiff_t>(seen.size()));
-      }
 }
 
 TEST_CASE("the emulated kernel equals the reference for fp16 and fp32 inputs") {
