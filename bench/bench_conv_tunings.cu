@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "conv/conv_params.h"
@@ -236,6 +237,17 @@ void launch_pattern(const BufferSet& s, int64_t tokens) {
       <<<grid, kWarps * 32>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
+// The two references of a pattern table: a flat copy of the bytes the kernel moves, and the
+// packed kernel's default launch.
+std::pair<double, double> flat_and_packed_us(Batch& b, int reps) {
+  const int64_t t = b.tokens;
+  const double flat = time_us(b, reps, [&](BufferSet& s) {
+    BENCH_CUDA(cudaMemcpyAsync(s.copy_dst, s.x, static_cast<std::size_t>(t * kDim * 2), cudaMemcpyDeviceToDevice));
+  });
+  const double packed = time_us(b, reps, [&](BufferSet& s) { kda::packed_causal_conv1d(s.args, nullptr); });
+  return {flat, packed};
+}
+
 // The same copy through a ring of shared-memory stages filled by bulk copies (cp.async.bulk, one
 // per row, completing on the stage's mbarrier): one producer warp keeps up to kStages stages of
 // kStageRows rows in flight while 4 consumer warps read their 8 bytes per lane of each row from
@@ -361,10 +373,7 @@ void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
     Batch b;
     make_batch(b, shape, rng);
     const int64_t t = b.tokens;
-    const double flat = time_us(b, reps, [&](BufferSet& s) {
-      BENCH_CUDA(cudaMemcpyAsync(s.copy_dst, s.x, static_cast<std::size_t>(t * kDim * 2), cudaMemcpyDeviceToDevice));
-    });
-    const double packed = time_us(b, reps, [&](BufferSet& s) { kda::packed_causal_conv1d(s.args, nullptr); });
+    const auto [flat, packed] = flat_and_packed_us(b, reps);
     const double r[] = {
         time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 32); }),
         time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 64); }),
@@ -393,10 +402,7 @@ void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int re
     Batch b;
     make_batch(b, shape, rng);
     const int64_t t = b.tokens;
-    const double flat = time_us(b, reps, [&](BufferSet& s) {
-      BENCH_CUDA(cudaMemcpyAsync(s.copy_dst, s.x, static_cast<std::size_t>(t * kDim * 2), cudaMemcpyDeviceToDevice));
-    });
-    const double packed = time_us(b, reps, [&](BufferSet& s) { kda::packed_causal_conv1d(s.args, nullptr); });
+    const auto [flat, packed] = flat_and_packed_us(b, reps);
     const double p0 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, false, false>(s, t); });
     const double p1 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, false, false>(s, t); });
     const double p2 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, true, false>(s, t); });
