@@ -174,7 +174,6 @@ std::pair<std::vector<char>, std::vector<char>> result_of(Batch& b, const std::v
   return {download(s.out, b.tokens * kDim * 2), download(s.state, state0.size())};
 }
 
-
 // --patterns: copies with the packed kernel's access pattern and no arithmetic, to tell how much
 // of the gap to a flat copy is the pattern itself. A warp moves 16-row programs of a 32-lane x
 // kLaneBytes column band of one plane (the packed kernel's default tile: 128 bf16 channels,

@@ -348,18 +348,16 @@ KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_
       t.w2[v] = q.z;
       t.w3[v] = q.w;
     }
-    KDA_UNROLL
-    for (int v = 0; v < Traits::kVec; ++v) t.acc0[v] = kHasBias ? ops.load_ro(p.bias + c0 + v) : 0.0f;
-    return;
+  } else {
+    float* const stage_taps = ops.stage();
+    Taps::template gather<true>(ops, stage_taps, p.weight + tile_begin * p.weight_stride_dim,
+                                p.weight_stride_dim, p.weight_stride_tap, lane);
+    ops.syncwarp();
+    Taps::read_lane(ops, stage_taps, 0, lane, t.w0);
+    Taps::read_lane(ops, stage_taps, 1, lane, t.w1);
+    Taps::read_lane(ops, stage_taps, 2, lane, t.w2);
+    Taps::read_lane(ops, stage_taps, 3, lane, t.w3);
   }
-  float* const stage_taps = ops.stage();
-  Taps::template gather<true>(ops, stage_taps, p.weight + tile_begin * p.weight_stride_dim,
-                              p.weight_stride_dim, p.weight_stride_tap, lane);
-  ops.syncwarp();
-  Taps::read_lane(ops, stage_taps, 0, lane, t.w0);
-  Taps::read_lane(ops, stage_taps, 1, lane, t.w1);
-  Taps::read_lane(ops, stage_taps, 2, lane, t.w2);
-  Taps::read_lane(ops, stage_taps, 3, lane, t.w3);
   // Without a bias acc0 is the constant +0.0f, which costs no registers.
   KDA_UNROLL
   for (int v = 0; v < Traits::kVec; ++v) t.acc0[v] = kHasBias ? ops.load_ro(p.bias + c0 + v) : 0.0f;
@@ -548,9 +546,9 @@ KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int6
 
 // The chunk programs first_program .. first_program + count - 1 of one column block, run one
 // after another by one warp (the kernel's CTA x runs programs x * chunks_per_cta + j). `first`
-// is the first one's chunk (the warp searched it). A program that
-// continues the previous one's sequence is derived from it (next_chunk_in_sequence) and carries
-// its history; at a sequence boundary the warp searches. The taps load once, with the first chunk.
+// is the first one's chunk (the warp searched it). A program that continues the previous one's
+// sequence is derived from it (next_chunk_in_sequence) and carries its history; at a sequence
+// boundary the warp searches. The taps load once, with the first chunk.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const ProgramChunk& first,
                                                      int64_t first_program, int count, int64_t plane,
