@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
     // then vec 8 with 8-token chunks (its row queue's length) and vec 2. Earlier sweeps
     // (docs/perf-notes.md) found 8- and 32-token chunks of vec 4 slower at every shape.
     // Then the session-8 experiments around the two defaults (2 warps x 1 program below 4096
-    // tokens, 4 x 2 from there): 1-warp CTAs, the cache policies, the early flag and the deferred state, with the
+    // tokens, 4 x 2 from there): 1-warp CTAs, the cache policies and the early flag, with the
     // default tuning timed again last to show the drift within the sweep.
     std::vector<kda::conv::ConvTuning> tunings;
     for (int per_cta : {1, 2, 4, 8, 16})
@@ -466,13 +466,6 @@ int main(int argc, char** argv) {
         tunings.push_back(t);
       }
       kda::conv::ConvTuning t = base;
-      t.early_flag = 1;
-      tunings.push_back(t);
-      t.cache_policy = 1;
-      tunings.push_back(t);
-      t = base;
-      t.defer_state = 1;
-      tunings.push_back(t);
       t.early_flag = 1;
       tunings.push_back(t);
       t.cache_policy = 1;
@@ -513,18 +506,18 @@ int main(int argc, char** argv) {
           best_t = t;
         }
         std::snprintf(line, sizeof line,
-                      "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d policy %d early %d defer %d: %8.2f us (%.3f x copy)%s\n",
+                      "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d policy %d early %d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, t.cache_policy, t.early_flag, t.defer_state, us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, t.cache_policy, t.early_flag, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
         std::fputs(line, stderr);  // as it is measured, in case the run is cut short
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d policy %d early %d defer %d |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d policy %d early %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
                   def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.chunks_per_cta, def_us / copy,
                   best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta,
-                  best_t.cache_policy, best_t.early_flag, best_t.defer_state);
+                  best_t.cache_policy, best_t.early_flag);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

@@ -92,16 +92,11 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     return detail::str_cat("cache_policy ", tuning.cache_policy, " is not one of 0, 1, 2, 3");
   if (tuning.early_flag != 0 && tuning.early_flag != 1)
     return detail::str_cat("early_flag ", tuning.early_flag, " is not 0 or 1");
-  if (tuning.defer_state != 0 && tuning.defer_state != 1)
-    return detail::str_cat("defer_state ", tuning.defer_state, " is not 0 or 1");
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
-  if ((tuning.cache_policy != 0 || tuning.defer_state != 0) &&
+  if (tuning.cache_policy != 0 &&
       (args.x_dtype != DType::BF16 || vec != 4 || !args.silu || args.bias != nullptr))
-    return detail::str_cat("cache_policy ", tuning.cache_policy, " and defer_state ", tuning.defer_state,
-                           " have instances for bf16 x, vec 4, SiLU and no bias only");
-  if (tuning.defer_state != 0 && tuning.cache_policy > 1)
-    return detail::str_cat("defer_state 1 has instances for cache_policy 0 and 1 only, not ",
-                           tuning.cache_policy);
+    return detail::str_cat("cache_policy ", tuning.cache_policy,
+                           " has instances for bf16 x, vec 4, SiLU and no bias only");
   const int warps = tuning.warps_per_cta != 0
                         ? tuning.warps_per_cta
                         : default_warps_per_cta(args.num_tokens, args.part_dim / (32 * vec));
@@ -177,7 +172,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   p.cache_policy = tuning.cache_policy;
   p.early_flag = tuning.early_flag != 0;
-  p.defer_state = tuning.defer_state != 0;
   return p;
 }
 

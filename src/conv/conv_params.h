@@ -20,10 +20,8 @@ struct ConvTuning {
   // L2::256B prefetch size; 3 as 1 plus streaming (.cs) stores of the results. Policies 1-3 have
   // instances for bf16 x, vec 4, SiLU, no bias only. early_flag 1: a chunk 0 loads its
   // has_initial_state flag together with its cache line (one round trip, not two).
-  // defer_state 1: a full chunk 0 runs rows 3.. before the old state arrives (rows 0..2 last).
   int cache_policy = 0;
   int early_flag = 0;
-  int defer_state = 0;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -81,7 +79,6 @@ struct PackedConvParams {
 
   int cache_policy = 0;     // ConvTuning::cache_policy
   bool early_flag = false;  // ConvTuning::early_flag
-  bool defer_state = false; // ConvTuning::defer_state
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),
@@ -121,11 +118,10 @@ int default_chunk_len(int64_t num_tokens, int64_t dim);
 int default_warps_per_cta(int64_t num_tokens, int64_t cols_per_plane);
 constexpr int kMaxWarpsPerCta = 8;
 
-// Each warp stages its tile's 4 taps (rows 0..3), 3 state columns (rows 4..6) and, with the
-// deferred state, the 3 columns of the new state (rows 7..9) in shared memory, rows padded by 8
+// Each warp stages its tile's 4 taps and 3 state columns in shared memory, rows padded by 8
 // floats. A launch stays within the 48 KiB of dynamic shared memory available without opt-in.
 constexpr int staging_pitch(int tile) { return tile + 8; }
-constexpr int staging_floats_per_warp(int tile) { return 10 * staging_pitch(tile); }
+constexpr int staging_floats_per_warp(int tile) { return 7 * staging_pitch(tile); }
 constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
 constexpr int64_t kMaxStagingBytes = 48 * 1024;
 

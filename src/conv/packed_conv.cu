@@ -129,15 +129,6 @@ struct DeviceOps {
     return __shfl_sync(0xFFFFFFFFu, v, src);
   }
   __device__ __forceinline__ void syncwarp() const { __syncwarp(); }
-  __device__ __forceinline__ void copy4_async(float* stage_dst, const float* src) const {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
-                 :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(stage_dst))), "l"(src) : "memory");
-  }
-  __device__ __forceinline__ void copy16_async(float* stage_dst, const float* src) const {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                 :: "r"(static_cast<unsigned>(__cvta_generic_to_shared(stage_dst))), "l"(src) : "memory");
-  }
-  __device__ __forceinline__ void wait_async() const { asm volatile("cp.async.wait_all;" ::: "memory"); }
   __device__ __forceinline__ float* stage() const { return stage_area; }
 };
 
@@ -150,7 +141,7 @@ struct DeviceOps {
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
-template <typename Traits, bool kSilu, bool kHasBias, int kCachePolicy = 0, bool kDeferState = false>
+template <typename Traits, bool kSilu, bool kHasBias, int kCachePolicy = 0>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
@@ -162,7 +153,7 @@ packed_conv_kernel(const PackedConvParams p) {
                 warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
-  packed_conv_programs<Traits, kSilu, kHasBias, kDeferState>(p, first, first_program, cta_program_count(p, blockIdx.x),
+  packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
                                                 blockIdx.z, plane_col_block, lane, ops);
 }
 
@@ -175,17 +166,10 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if (p.cache_policy != 0 || p.defer_state) {
-    // check_tuning admits cache policies 1-3 and the deferred state for bf16, vec 4, SiLU
-    // without a bias only (the deferred state with policies 0 and 1).
+  if (p.cache_policy != 0) {
+    // check_tuning admits cache policies 1-3 for bf16, vec 4, SiLU without a bias only.
     if constexpr (kDType == DType::BF16 && kVec == 4) {
-      if (p.silu && !has_bias && p.defer_state) {
-        switch (p.cache_policy) {
-          case 0: packed_conv_kernel<Traits, true, false, 0, true><<<grid, block, staging_bytes, stream>>>(p); return;
-          case 1: packed_conv_kernel<Traits, true, false, 1, true><<<grid, block, staging_bytes, stream>>>(p); return;
-          default: break;
-        }
-      } else if (p.silu && !has_bias) {
+      if (p.silu && !has_bias) {
         switch (p.cache_policy) {
           case 1: packed_conv_kernel<Traits, true, false, 1><<<grid, block, staging_bytes, stream>>>(p); return;
           case 2: packed_conv_kernel<Traits, true, false, 2><<<grid, block, staging_bytes, stream>>>(p); return;
@@ -194,8 +178,8 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
         }
       }
     }
-    KDA_FAIL("kda::conv::launch_packed_conv", "cache_policy ", p.cache_policy, " with defer_state ",
-             p.defer_state, " has no instance for this dtype, vec, SiLU and bias");
+    KDA_FAIL("kda::conv::launch_packed_conv", "cache_policy ", p.cache_policy,
+             " has no instance for this dtype, vec, SiLU and bias");
   }
   if (p.silu && has_bias) {
     packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);

@@ -13,9 +13,6 @@
 //   float silu(float acc)                  (device: silu_stock_fast; CPU: silu_host_approx)
 //   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
-//   void copy4_async(float* stage_dst, const float* src)    global -> staging, no registers
-//   void copy16_async(float* stage_dst, const float* src)   (cp.async; both 16-byte aligned)
-//   void wait_async()                      this lane's async copies have landed
 //
 // A program is a (sequence, token chunk) of the program map (program_map.h) times a tile of
 // 32 * vec channels inside one output plane; one warp runs chunks_per_cta consecutive programs
@@ -170,141 +167,37 @@ struct TileStaging {
     row = rows_inner ? e % kRows : e / kTile;
   }
 
-  // A walk moves each lane's kScalarPerLane elements between global memory and registers (in
-  // vectors of 4 in the vector walks, register j = 4 m + k), and between registers and the
-  // staging area. Register j of a lane always names the same global element in load_lane and
-  // store_lane: one address map (vector_offset / scalar_index) serves both, so a lane that
-  // loads a line and later stores to it touches only the addresses it loaded itself.
-  KDA_HOST_DEVICE static KDA_INLINE int64_t vector_offset(Walk w, int m, int lane, int64_t stride_row) {
-    const int e = 4 * (lane + 32 * m);  // kBlock: channel-major element index; else row-major
-    return w == Walk::kBlock ? e : (e / kTile) * stride_row + e % kTile;
-  }
-
   // kReadOnly: through the read-only cache (the weights). Otherwise plain loads (the state
-  // line, which the same lanes write afterwards).
-  template <bool kReadOnly, class Ops>
-  KDA_HOST_DEVICE static KDA_INLINE void load_lane(const Ops& ops, Walk w, const float* base,
-                                                   int64_t stride_channel, int64_t stride_row,
-                                                   int lane, float (&v)[kScalarPerLane]) {
-    if constexpr (kVectorWalks) {
-      if (w != Walk::kScalar) {
-        KDA_UNROLL
-        for (int m = 0; m < kVectorsPerLane; ++m) {
-          const float* src = base + vector_offset(w, m, lane, stride_row);
-          const Float4 q = kReadOnly ? ops.load4_ro(src) : ops.load4(src);
-          v[4 * m] = q.x; v[4 * m + 1] = q.y; v[4 * m + 2] = q.z; v[4 * m + 3] = q.w;
-        }
-        return;
-      }
-    }
-    const bool rows_inner = stride_row < stride_channel;
-    KDA_UNROLL_8
-    for (int m = 0; m < kScalarPerLane; ++m) {
-      int c, r;
-      scalar_index(lane + 32 * m, rows_inner, c, r);
-      const float* src = base + c * stride_channel + r * stride_row;
-      v[m] = kReadOnly ? ops.load_ro(src) : *src;
-    }
-  }
-
-  template <class Ops>
-  KDA_HOST_DEVICE static KDA_INLINE void store_lane(const Ops& ops, Walk w, float* base,
-                                                    int64_t stride_channel, int64_t stride_row,
-                                                    int lane, const float (&v)[kScalarPerLane]) {
-    if constexpr (kVectorWalks) {
-      if (w != Walk::kScalar) {
-        KDA_UNROLL
-        for (int m = 0; m < kVectorsPerLane; ++m) {
-          ops.store4(base + vector_offset(w, m, lane, stride_row),
-                     Float4{v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]});
-        }
-        return;
-      }
-    }
-    const bool rows_inner = stride_row < stride_channel;
-    KDA_UNROLL_8
-    for (int m = 0; m < kScalarPerLane; ++m) {
-      int c, r;
-      scalar_index(lane + 32 * m, rows_inner, c, r);
-      base[c * stride_channel + r * stride_row] = v[m];
-    }
-  }
-
-  // Register j's place in the staging area ([row][channel], rows kPitch floats apart).
-  KDA_HOST_DEVICE static KDA_INLINE int stage_index(Walk w, bool rows_inner, int j, int lane) {
-    if (w == Walk::kScalar) {
-      int c, r;
-      scalar_index(lane + 32 * j, rows_inner, c, r);
-      return r * kPitch + c;
-    }
-    const int e = 4 * (lane + 32 * (j / 4)) + j % 4;
-    if (w == Walk::kBlock) return (e % kRows) * kPitch + e / kRows;
-    return (e / kTile) * kPitch + e % kTile;
-  }
-
-  // Rows of contiguous channels stay 16-byte vectors in the staging area too.
-  template <class Ops>
-  KDA_HOST_DEVICE static KDA_INLINE void to_stage(const Ops& ops, Walk w, bool rows_inner,
-                                                  float* stage, int lane,
-                                                  const float (&v)[kScalarPerLane]) {
-    if constexpr (kVectorWalks) {
-      if (w == Walk::kContiguousRows) {
-        KDA_UNROLL
-        for (int m = 0; m < kVectorsPerLane; ++m) {
-          ops.store4(stage + stage_index(w, rows_inner, 4 * m, lane),
-                     Float4{v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]});
-        }
-        return;
-      }
-    }
-    KDA_UNROLL
-    for (int j = 0; j < kScalarPerLane; ++j) stage[stage_index(w, rows_inner, j, lane)] = v[j];
-  }
-
-  template <class Ops>
-  KDA_HOST_DEVICE static KDA_INLINE void from_stage(const Ops& ops, Walk w, bool rows_inner,
-                                                    const float* stage, int lane,
-                                                    float (&v)[kScalarPerLane]) {
-    if constexpr (kVectorWalks) {
-      if (w == Walk::kContiguousRows) {
-        KDA_UNROLL
-        for (int m = 0; m < kVectorsPerLane; ++m) {
-          const Float4 q = ops.load4(stage + stage_index(w, rows_inner, 4 * m, lane));
-          v[4 * m] = q.x; v[4 * m + 1] = q.y; v[4 * m + 2] = q.z; v[4 * m + 3] = q.w;
-        }
-        return;
-      }
-    }
-    KDA_UNROLL
-    for (int j = 0; j < kScalarPerLane; ++j) v[j] = stage[stage_index(w, rows_inner, j, lane)];
-  }
-
-  // Global tile -> staging area, in the walk's memory order. Each load goes to the staging
-  // area at once (not through a register array as load_lane's): fewer values live at the
-  // 128-register cap, where the array made the default instances spill.
+  // line, which the same warp writes afterwards).
   template <bool kReadOnly, class Ops>
   KDA_HOST_DEVICE static KDA_INLINE void gather(const Ops& ops, float* stage, const float* base,
                                                 int64_t stride_channel, int64_t stride_row,
                                                 int lane) {
     const Walk w = walk(base, stride_channel, stride_row);
-    const bool rows_inner = stride_row < stride_channel;
     if constexpr (kVectorWalks) {
-      if (w != Walk::kScalar) {
+      if (w == Walk::kBlock) {
         KDA_UNROLL
         for (int m = 0; m < kVectorsPerLane; ++m) {
-          const float* src = base + vector_offset(w, m, lane, stride_row);
-          const Float4 q = kReadOnly ? ops.load4_ro(src) : ops.load4(src);
-          if (w == Walk::kContiguousRows) {
-            ops.store4(stage + stage_index(w, rows_inner, 4 * m, lane), q);
-          } else {
-            const float vals[4] = {q.x, q.y, q.z, q.w};
-            KDA_UNROLL
-            for (int k = 0; k < 4; ++k) stage[stage_index(w, rows_inner, 4 * m + k, lane)] = vals[k];
-          }
+          const int e = 4 * (lane + 32 * m);  // channel-major element index of the block
+          const Float4 q = kReadOnly ? ops.load4_ro(base + e) : ops.load4(base + e);
+          const float vals[4] = {q.x, q.y, q.z, q.w};
+          KDA_UNROLL
+          for (int k = 0; k < 4; ++k) stage[((e + k) % kRows) * kPitch + (e + k) / kRows] = vals[k];
+        }
+        return;
+      }
+      if (w == Walk::kContiguousRows) {
+        KDA_UNROLL
+        for (int m = 0; m < kVectorsPerLane; ++m) {
+          const int e = 4 * (lane + 32 * m);  // row-major element index
+          const int r = e / kTile, c = e % kTile;
+          const float* src = base + r * stride_row + c;
+          ops.store4(stage + r * kPitch + c, kReadOnly ? ops.load4_ro(src) : ops.load4(src));
         }
         return;
       }
     }
+    const bool rows_inner = stride_row < stride_channel;
     KDA_UNROLL_8
     for (int m = 0; m < kScalarPerLane; ++m) {
       int c, r;
@@ -314,47 +207,39 @@ struct TileStaging {
     }
   }
 
-  // Staging area -> global tile (no load follows, so the register array costs nothing).
   template <class Ops>
   KDA_HOST_DEVICE static KDA_INLINE void scatter(const Ops& ops, float* base,
                                                  int64_t stride_channel, int64_t stride_row,
                                                  const float* stage, int lane) {
     const Walk w = walk(base, stride_channel, stride_row);
-    float v[kScalarPerLane];
-    from_stage(ops, w, stride_row < stride_channel, stage, lane, v);
-    store_lane(ops, w, base, stride_channel, stride_row, lane, v);
-  }
-
-  // gather without registers: the lane's elements are copied asynchronously (copy4_async,
-  // copy16_async) to the places gather puts them; ops.wait_async() then syncwarp before any
-  // lane reads the staging area. The copies read the same addresses as load_lane and
-  // store_lane for each lane, but unordered with the lane's later stores until wait_async.
-  template <class Ops>
-  KDA_HOST_DEVICE static KDA_INLINE void gather_async(const Ops& ops, float* stage, const float* base,
-                                                      int64_t stride_channel, int64_t stride_row,
-                                                      int lane) {
-    const Walk w = walk(base, stride_channel, stride_row);
-    const bool rows_inner = stride_row < stride_channel;
     if constexpr (kVectorWalks) {
-      if (w != Walk::kScalar) {
+      if (w == Walk::kBlock) {
         KDA_UNROLL
         for (int m = 0; m < kVectorsPerLane; ++m) {
-          const float* src = base + vector_offset(w, m, lane, stride_row);
-          if (w == Walk::kContiguousRows) {
-            ops.copy16_async(stage + stage_index(w, rows_inner, 4 * m, lane), src);
-          } else {
-            KDA_UNROLL
-            for (int k = 0; k < 4; ++k) ops.copy4_async(stage + stage_index(w, rows_inner, 4 * m + k, lane), src + k);
-          }
+          const int e = 4 * (lane + 32 * m);
+          float vals[4];
+          KDA_UNROLL
+          for (int k = 0; k < 4; ++k) vals[k] = stage[((e + k) % kRows) * kPitch + (e + k) / kRows];
+          ops.store4(base + e, Float4{vals[0], vals[1], vals[2], vals[3]});
+        }
+        return;
+      }
+      if (w == Walk::kContiguousRows) {
+        KDA_UNROLL
+        for (int m = 0; m < kVectorsPerLane; ++m) {
+          const int e = 4 * (lane + 32 * m);
+          const int r = e / kTile, c = e % kTile;
+          ops.store4(base + r * stride_row + c, ops.load4(stage + r * kPitch + c));
         }
         return;
       }
     }
+    const bool rows_inner = stride_row < stride_channel;
     KDA_UNROLL_8
     for (int m = 0; m < kScalarPerLane; ++m) {
       int c, r;
       scalar_index(lane + 32 * m, rows_inner, c, r);
-      ops.copy4_async(stage + r * kPitch + c, base + c * stride_channel + r * stride_row);
+      base[c * stride_channel + r * stride_row] = stage[r * kPitch + c];
     }
   }
 
@@ -489,7 +374,7 @@ KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_
 // History: with `carried` the caller asserts that `hist` holds this warp's last 3 rows before
 // pc.begin (it ran chunk pc.chunk - 1 of the same sequence just before), so the 3 seed rows are
 // not read again. Returns true when the chunk ran, and then `hist` holds its last 3 rows.
-template <class Traits, bool kSilu, bool kHasBias, bool kDeferState, class Ops>
+template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, const ProgramChunk& pc,
                                                   int64_t plane, int64_t plane_col_block, int lane,
                                                   LaneTaps<Traits::kVec>& taps, bool& taps_loaded,
@@ -553,26 +438,6 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
     taps_loaded = true;
   }
 
-  char* store_ptr = out_lane + pc.begin * out_row_bytes;
-  // One row: the lane's kVec outputs from the row and the 3 history rows h, then h
-  // shifts (register renaming once the loops are unrolled).
-  const auto convolve_row = [&](const Row& cur, char* dst, LaneHistory<kVec>& h) {
-    float y[kVec];
-    KDA_UNROLL
-    for (int v = 0; v < kVec; ++v) {
-      const float x0 = element_f32<Traits>(ops, cur, v);
-      float acc = conv4_tap_fma(h.h3[v], h.h2[v], h.h1[v], x0, taps.w0[v], taps.w1[v],
-                                taps.w2[v], taps.w3[v], taps.acc0[v]);
-      if constexpr (kSilu) acc = ops.silu(acc);
-      y[v] = acc;
-      h.h3[v] = h.h2[v];
-      h.h2[v] = h.h1[v];
-      h.h1[v] = x0;
-    }
-    Row out;
-    pack_row<Traits>(ops, y, out);
-    ops.template store_out<kBytes>(dst, out);
-  };
   // A carried chunk belongs to the sequence whose previous chunk ran, so its line was valid.
   if (!carried) {
     const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
@@ -592,49 +457,6 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
       const bool has_initial_state =
           p.early_flag ? early_initial_state
                        : p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
-      if (kDeferState && rows == kQueue) {
-        // Deferred (ConvTuning::defer_state, an instance of its own): only rows 0..2 of the
-        // chunk need the old state, so it is copied to staging rows 4..6 asynchronously (no
-        // registers held) while rows 3.. run on the chunk's own rows as history. A full chunk
-        // has len >= kQueue >= 3 tokens, so the new state is the seed rows alone: staged in rows
-        // 7..9 now, stored to the line at the end, after every lane's copies of the old state
-        // have landed (wait_async + syncwarp), which orders those reads before these writes.
-        float* const stage_new = ops.stage() + 7 * staging_pitch(kTile);
-        if (has_initial_state) {
-          State::gather_async(ops, stage_state, state_tile, p.state_stride_dim, p.state_stride_tap, lane);
-        }
-        {
-          LaneHistory<kVec> seeds;
-          row_to_f32<Traits>(ops, seed1, seeds.h1);
-          row_to_f32<Traits>(ops, seed2, seeds.h2);
-          row_to_f32<Traits>(ops, seed3, seeds.h3);
-          State::write_lane(ops, stage_new, 0, lane, seeds.h3);
-          State::write_lane(ops, stage_new, 1, lane, seeds.h2);
-          State::write_lane(ops, stage_new, 2, lane, seeds.h1);
-        }
-        LaneHistory<kVec> own;  // rows 2, 1, 0 of the chunk: the history of row 3
-        row_to_f32<Traits>(ops, queue[2], own.h1);
-        row_to_f32<Traits>(ops, queue[1], own.h2);
-        row_to_f32<Traits>(ops, queue[0], own.h3);
-        KDA_UNROLL
-        for (int i = 3; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes, own);
-        if (has_initial_state) ops.wait_async();
-        ops.syncwarp();  // the old state (if any) and the new one are staged by every lane
-        if (has_initial_state) {
-          State::read_lane(ops, stage_state, 0, lane, hist.h3);
-          State::read_lane(ops, stage_state, 1, lane, hist.h2);
-          State::read_lane(ops, stage_state, 2, lane, hist.h1);
-        } else {
-          KDA_UNROLL
-          for (int v = 0; v < kVec; ++v) hist.h1[v] = hist.h2[v] = hist.h3[v] = 0.0f;
-        }
-        KDA_UNROLL
-        for (int i = 0; i < 3; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes, hist);
-        State::scatter(ops, state_tile, p.state_stride_dim, p.state_stride_tap, stage_new, lane);
-        hist = own;      // the chunk's last 3 rows, for a carried next chunk
-        ops.syncwarp();  // the staging rows are free again for the warp's next chunk
-        return true;
-      }
       if (has_initial_state) {
         State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
                                       p.state_stride_tap, lane);
@@ -678,11 +500,31 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
     }
   }
 
+  char* store_ptr = out_lane + pc.begin * out_row_bytes;
+  // One row: the lane's kVec outputs from the row and the 3 history rows, then the history
+  // shifts (register renaming once the loops are unrolled).
+  const auto convolve_row = [&](const Row& cur, char* dst) {
+    float y[kVec];
+    KDA_UNROLL
+    for (int v = 0; v < kVec; ++v) {
+      const float x0 = element_f32<Traits>(ops, cur, v);
+      float acc = conv4_tap_fma(hist.h3[v], hist.h2[v], hist.h1[v], x0, taps.w0[v], taps.w1[v],
+                                taps.w2[v], taps.w3[v], taps.acc0[v]);
+      if constexpr (kSilu) acc = ops.silu(acc);
+      y[v] = acc;
+      hist.h3[v] = hist.h2[v];
+      hist.h2[v] = hist.h1[v];
+      hist.h1[v] = x0;
+    }
+    Row out;
+    pack_row<Traits>(ops, y, out);
+    ops.template store_out<kBytes>(dst, out);
+  };
   if (rows == kQueue) {
     // A full chunk of the default length: every row is in the queue already, and the loop has
     // no per-row guards (the common case; docs/perf-notes.md, conv v3).
     KDA_UNROLL
-    for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes, hist);
+    for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
     return true;
   }
   for (int r0 = 0; r0 < rows; r0 += kQueue) {
@@ -693,7 +535,7 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
         const Row cur = queue[i];
         if (r + kQueue < rows) queue[i] = ops.template load_x<kBytes>(load_ptr);
         load_ptr += x_row_bytes;
-        convolve_row(cur, store_ptr, hist);
+        convolve_row(cur, store_ptr);
         store_ptr += out_row_bytes;
       }
     }
@@ -712,7 +554,7 @@ KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int6
 // is the first one's chunk (the warp searched it). A program that continues the previous one's
 // sequence is derived from it (next_chunk_in_sequence) and carries its history; at a sequence
 // boundary the warp searches. The taps load once, with the first chunk.
-template <class Traits, bool kSilu, bool kHasBias, bool kDeferState = false, class Ops>
+template <class Traits, bool kSilu, bool kHasBias, class Ops>
 KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const ProgramChunk& first,
                                                      int64_t first_program, int count, int64_t plane,
                                                      int64_t plane_col_block, int lane, Ops& ops) {
@@ -729,7 +571,7 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, 
       carried = carried && same;
       pc = same ? next : locate_chunk(p, first_program + j, lane, ops);
     }
-    carried = packed_conv_chunk<Traits, kSilu, kHasBias, kDeferState>(p, pc, plane, plane_col_block, lane, taps,
+    carried = packed_conv_chunk<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, taps,
                                                          taps_loaded, hist, carried, ops);
   }
 }

@@ -144,16 +144,6 @@ struct HostOps {
     return r;
   }
   void syncwarp() const { warp->barrier.wait(); }
-  // Async copies complete at once here; the kernel's wait_async + syncwarp order them as if.
-  void copy4_async(float* stage_dst, const float* src) const {
-    check(warp->state.holds(src, 4) && warp->stage.holds(stage_dst, 4));
-    std::memcpy(stage_dst, src, 4);
-  }
-  void copy16_async(float* stage_dst, const float* src) const {
-    check(warp->state.holds(src, 16) && warp->stage.holds(stage_dst, 16) && aligned(src, 16) && aligned(stage_dst, 16));
-    std::memcpy(stage_dst, src, 16);
-  }
-  void wait_async() const {}
   float* stage() const { return reinterpret_cast<float*>(warp->stage_storage.data()); }
 };
 
@@ -253,29 +243,13 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
             const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
             warp.barrier.wait();  // the search's ballots are done before the body's
             if (p.silu && p.bias) {
-              if (p.defer_state) {
-                kda::conv::packed_conv_programs<Traits, true, true, true>(p, pc, first, count, plane, col, lane, ops);
-              } else {
-                kda::conv::packed_conv_programs<Traits, true, true, false>(p, pc, first, count, plane, col, lane, ops);
-              }
+              kda::conv::packed_conv_programs<Traits, true, true>(p, pc, first, count, plane, col, lane, ops);
             } else if (p.silu) {
-              if (p.defer_state) {
-                kda::conv::packed_conv_programs<Traits, true, false, true>(p, pc, first, count, plane, col, lane, ops);
-              } else {
-                kda::conv::packed_conv_programs<Traits, true, false, false>(p, pc, first, count, plane, col, lane, ops);
-              }
+              kda::conv::packed_conv_programs<Traits, true, false>(p, pc, first, count, plane, col, lane, ops);
             } else if (p.bias) {
-              if (p.defer_state) {
-                kda::conv::packed_conv_programs<Traits, false, true, true>(p, pc, first, count, plane, col, lane, ops);
-              } else {
-                kda::conv::packed_conv_programs<Traits, false, true, false>(p, pc, first, count, plane, col, lane, ops);
-              }
+              kda::conv::packed_conv_programs<Traits, false, true>(p, pc, first, count, plane, col, lane, ops);
             } else {
-              if (p.defer_state) {
-                kda::conv::packed_conv_programs<Traits, false, false, true>(p, pc, first, count, plane, col, lane, ops);
-              } else {
-                kda::conv::packed_conv_programs<Traits, false, false, false>(p, pc, first, count, plane, col, lane, ops);
-              }
+              kda::conv::packed_conv_programs<Traits, false, false>(p, pc, first, count, plane, col, lane, ops);
             }
             warp.barrier.wait();  // the next group starts when every lane is done with this one
           }
@@ -608,30 +582,6 @@ TEST_CASE("the emulated kernel equals the reference with taps loaded per lane an
         strided.weight_stride_dim = 5;
         fill(strided, 51 + vec);
         check_outcome(compare(strided, {vec, 16, 2, 2}));
-      }
-    }
-  }
-}
-
-// The experiments' switches (ConvTuning::early_flag, ::defer_state) give the same bits: every
-// state layout (each walk), with programs carried across chunks and not. The deferred state has
-// a bf16 vec 4 instance only (check_tuning); the early flag is a runtime branch of every one.
-TEST_CASE("the emulated kernel equals the reference with the early flag and the deferred state") {
-  for (const char* layout : {"contiguous", "transposed", "state_len 4, padded lines", "odd strides"}) {
-    for (int per_cta : {1, 2}) {
-      CAPTURE(layout);
-      CAPTURE(per_cta);
-      Problem pr = base_problem(DType::BF16);
-      set_state_layout(pr, layout);
-      fill(pr, 61 + per_cta);
-      kda::conv::ConvTuning t{4, 16, 2, per_cta};
-      t.defer_state = 1;
-      check_outcome(compare(pr, t));
-      t.early_flag = 1;
-      check_outcome(compare(pr, t));
-      for (int vec : {1, 8}) {
-        CAPTURE(vec);
-        check_outcome(compare(pr, {vec, 16, 2, per_cta, 0, 1, 0}));
       }
     }
   }
