@@ -88,15 +88,12 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
-  if (tuning.cache_policy < 0 || tuning.cache_policy > 3)
-    return detail::str_cat("cache_policy ", tuning.cache_policy, " is not one of 0, 1, 2, 3");
-  if (tuning.early_flag != 0 && tuning.early_flag != 1)
-    return detail::str_cat("early_flag ", tuning.early_flag, " is not 0 or 1");
+  if (tuning.plain_stores != 0 && tuning.plain_stores != 1)
+    return detail::str_cat("plain_stores ", tuning.plain_stores, " is not 0 or 1");
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
-  if (tuning.cache_policy != 0 &&
+  if (tuning.plain_stores != 0 &&
       (args.x_dtype != DType::BF16 || vec != 4 || !args.silu || args.bias != nullptr))
-    return detail::str_cat("cache_policy ", tuning.cache_policy,
-                           " has instances for bf16 x, vec 4, SiLU and no bias only");
+    return "plain_stores 1 has an instance for bf16 x, vec 4, SiLU and no bias only";
   const int warps = tuning.warps_per_cta != 0
                         ? tuning.warps_per_cta
                         : default_warps_per_cta(args.num_tokens, args.part_dim / (32 * vec));
@@ -170,8 +167,7 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
                                                : default_chunks_per_cta(args.num_tokens);
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
-  p.cache_policy = tuning.cache_policy;
-  p.early_flag = tuning.early_flag != 0;
+  p.plain_stores = tuning.plain_stores != 0;
   return p;
 }
 

@@ -15,13 +15,9 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // Experiments (session 8, swept by bench_conv_tunings). cache_policy: 0 the default (x rows
-  // through the read-only path, plain stores); 1 x rows with L1::no_allocate; 2 as 1 plus an
-  // L2::256B prefetch size; 3 as 1 plus streaming (.cs) stores of the results. Policies 1-3 have
-  // instances for bf16 x, vec 4, SiLU, no bias only. early_flag 1: a chunk 0 loads its
-  // has_initial_state flag together with its cache line (one round trip, not two).
-  int cache_policy = 0;
-  int early_flag = 0;
+  // Experiment (session 8, swept by bench_conv_tunings): 1 stores the results with plain
+  // stores instead of streaming (.cs) ones; an instance for bf16 x, vec 4, SiLU, no bias only.
+  int plain_stores = 0;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -77,8 +73,7 @@ struct PackedConvParams {
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
 
-  int cache_policy = 0;     // ConvTuning::cache_policy
-  bool early_flag = false;  // ConvTuning::early_flag
+  bool plain_stores = false;  // ConvTuning::plain_stores
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),

@@ -26,24 +26,17 @@ constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 // them during the kernel (supported() rejects an out that overlaps x). The conv state is read
 // with plain loads because the same warp writes it.
 //
-// kCachePolicy is ConvTuning::cache_policy (an experiment; policies 1-3 exist for 8-byte rows).
-template <int kCachePolicy>
+// Results are stored streaming (st.global.cs: evict first from L1 and L2): nothing in the kernel
+// reads them, and the lines they would keep in L2 hold the row stream's seed rows instead.
+// kPlainStores is ConvTuning::plain_stores, the comparison instance.
+template <bool kPlainStores>
 struct DeviceOps {
   float* stage_area;
 
   template <int kBytes>
   __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
     RowOf<kBytes> r;
-    if constexpr (kCachePolicy != 0) {
-      static_assert(kBytes == 8, "cache policies 1-3 have 8-byte rows only");
-      if constexpr (kCachePolicy == 2) {
-        asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];"
-            : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(ptr));
-      } else {
-        asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
-            : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(ptr));
-      }
-    } else if constexpr (kBytes == 32) {
+    if constexpr (kBytes == 32) {
       const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
       const uint4 b = __ldg(reinterpret_cast<const uint4*>(ptr) + 1);
       r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
@@ -63,23 +56,29 @@ struct DeviceOps {
     return r;
   }
 
+  template <class T>
+  __device__ __forceinline__ static void store(T* ptr, T v) {
+    if constexpr (kPlainStores) {
+      *ptr = v;
+    } else {
+      __stcs(ptr, v);
+    }
+  }
+
   template <int kBytes>
   __device__ __forceinline__ void store_out(char* ptr, const RowOf<kBytes>& r) const {
-    if constexpr (kCachePolicy == 3) {
-      static_assert(kBytes == 8, "cache policies 1-3 have 8-byte rows only");
-      __stcs(reinterpret_cast<uint2*>(ptr), make_uint2(r.w[0], r.w[1]));
-    } else if constexpr (kBytes == 32) {
-      reinterpret_cast<uint4*>(ptr)[0] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
-      reinterpret_cast<uint4*>(ptr)[1] = make_uint4(r.w[4], r.w[5], r.w[6], r.w[7]);
+    if constexpr (kBytes == 32) {
+      store(reinterpret_cast<uint4*>(ptr), make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
+      store(reinterpret_cast<uint4*>(ptr) + 1, make_uint4(r.w[4], r.w[5], r.w[6], r.w[7]));
     } else if constexpr (kBytes == 16) {
-      *reinterpret_cast<uint4*>(ptr) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+      store(reinterpret_cast<uint4*>(ptr), make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
     } else if constexpr (kBytes == 8) {
-      *reinterpret_cast<uint2*>(ptr) = make_uint2(r.w[0], r.w[1]);
+      store(reinterpret_cast<uint2*>(ptr), make_uint2(r.w[0], r.w[1]));
     } else if constexpr (kBytes == 4) {
-      *reinterpret_cast<unsigned int*>(ptr) = r.w[0];
+      store(reinterpret_cast<unsigned int*>(ptr), r.w[0]);
     } else {
       static_assert(kBytes == 2, "row bytes");
-      *reinterpret_cast<unsigned short*>(ptr) = static_cast<unsigned short>(r.w[0]);
+      store(reinterpret_cast<unsigned short*>(ptr), static_cast<unsigned short>(r.w[0]));
     }
   }
 
@@ -141,7 +140,7 @@ struct DeviceOps {
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
-template <typename Traits, bool kSilu, bool kHasBias, int kCachePolicy = 0>
+template <typename Traits, bool kSilu, bool kHasBias, bool kPlainStores = false>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
@@ -149,7 +148,7 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  DeviceOps<kCachePolicy> ops{reinterpret_cast<float*>(staging_storage) +
+  DeviceOps<kPlainStores> ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
@@ -166,20 +165,15 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if (p.cache_policy != 0) {
-    // check_tuning admits cache policies 1-3 for bf16, vec 4, SiLU without a bias only.
+  if (p.plain_stores) {
+    // check_tuning admits plain_stores for bf16, vec 4, SiLU without a bias only.
     if constexpr (kDType == DType::BF16 && kVec == 4) {
       if (p.silu && !has_bias) {
-        switch (p.cache_policy) {
-          case 1: packed_conv_kernel<Traits, true, false, 1><<<grid, block, staging_bytes, stream>>>(p); return;
-          case 2: packed_conv_kernel<Traits, true, false, 2><<<grid, block, staging_bytes, stream>>>(p); return;
-          case 3: packed_conv_kernel<Traits, true, false, 3><<<grid, block, staging_bytes, stream>>>(p); return;
-          default: break;
-        }
+        packed_conv_kernel<Traits, true, false, true><<<grid, block, staging_bytes, stream>>>(p);
+        return;
       }
     }
-    KDA_FAIL("kda::conv::launch_packed_conv", "cache_policy ", p.cache_policy,
-             " has no instance for this dtype, vec, SiLU and bias");
+    KDA_FAIL("kda::conv::launch_packed_conv", "plain_stores has no instance for this dtype, vec, SiLU and bias");
   }
   if (p.silu && has_bias) {
     packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);

@@ -441,10 +441,6 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   // A carried chunk belongs to the sequence whose previous chunk ran, so its line was valid.
   if (!carried) {
     const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-    // early_flag: the flag's load is issued with the line's (pc.seq is a valid sequence here).
-    const bool early_initial_state = p.early_flag && pc.chunk == 0 &&
-                                     p.has_initial_state != nullptr &&
-                                     ops.load_flag(p.has_initial_state + pc.seq);
     if (p.has_null_block && line == p.null_block_id) return false;
     if (line < 0 || line >= p.num_cache_lines) return false;
 
@@ -455,8 +451,7 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
       float* const state_tile =
           p.conv_states + line * p.state_stride_line + tile_begin * p.state_stride_dim;
       const bool has_initial_state =
-          p.early_flag ? early_initial_state
-                       : p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
+          p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
       if (has_initial_state) {
         State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
                                       p.state_stride_tap, lane);
