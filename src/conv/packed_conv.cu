@@ -26,10 +26,10 @@ constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 // them during the kernel (supported() rejects an out that overlaps x). The conv state is read
 // with plain loads because the same warp writes it.
 //
-// Results are stored streaming (st.global.cs: evict first from L1 and L2): nothing in the kernel
-// reads them, and the lines they would keep in L2 hold the row stream's seed rows instead.
-// kPlainStores is ConvTuning::plain_stores, the comparison instance.
-template <bool kPlainStores>
+// Results are stored streaming (st.global.cs, evict first from L1 and L2): the kernel never
+// reads them again; our reading is that L2 then keeps more of the row stream (the seed rows
+// that neighbouring programs re-read). Side by side with plain stores 0-0.7% faster at every
+// benchmark shape (docs/perf-notes.md, session 8).
 struct DeviceOps {
   float* stage_area;
 
@@ -57,13 +57,7 @@ struct DeviceOps {
   }
 
   template <class T>
-  __device__ __forceinline__ static void store(T* ptr, T v) {
-    if constexpr (kPlainStores) {
-      *ptr = v;
-    } else {
-      __stcs(ptr, v);
-    }
-  }
+  __device__ __forceinline__ static void store(T* ptr, T v) { __stcs(ptr, v); }
 
   template <int kBytes>
   __device__ __forceinline__ void store_out(char* ptr, const RowOf<kBytes>& r) const {
@@ -140,7 +134,7 @@ struct DeviceOps {
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
-template <typename Traits, bool kSilu, bool kHasBias, bool kPlainStores = false>
+template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
@@ -148,7 +142,7 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  DeviceOps<kPlainStores> ops{reinterpret_cast<float*>(staging_storage) +
+  DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
@@ -165,16 +159,6 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if (p.plain_stores) {
-    // check_tuning admits plain_stores for bf16, vec 4, SiLU without a bias only.
-    if constexpr (kDType == DType::BF16 && kVec == 4) {
-      if (p.silu && !has_bias) {
-        packed_conv_kernel<Traits, true, false, true><<<grid, block, staging_bytes, stream>>>(p);
-        return;
-      }
-    }
-    KDA_FAIL("kda::conv::launch_packed_conv", "plain_stores has no instance for this dtype, vec, SiLU and bias");
-  }
   if (p.silu && has_bias) {
     packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
   } else if (p.silu) {
