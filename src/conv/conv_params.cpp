@@ -88,8 +88,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
-  if (tuning.driver_carveout != 0 && tuning.driver_carveout != 1)
-    return detail::str_cat("driver_carveout ", tuning.driver_carveout, " is not 0 or 1");
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   const int warps = tuning.warps_per_cta != 0
                         ? tuning.warps_per_cta
@@ -164,7 +162,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
                                                : default_chunks_per_cta(args.num_tokens);
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
-  p.driver_carveout = tuning.driver_carveout != 0;
   return p;
 }
 

@@ -15,9 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // Experiment (session 8): 1 leaves the shared-memory carveout to the driver instead of
-  // keeping only what full occupancy needs (the rest is L1).
-  int driver_carveout = 0;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -72,7 +69,6 @@ struct PackedConvParams {
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
-  bool driver_carveout = false;      // ConvTuning::driver_carveout
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),

@@ -5,7 +5,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -151,45 +150,6 @@ packed_conv_kernel(const PackedConvParams p) {
                                                 blockIdx.z, plane_col_block, lane, ops);
 }
 
-// The shared-memory carveout of `kernel` (per device): only what its full occupancy needs at
-// this block size and staging size, the rest of the SM's 256 KB stays L1, which serves the row
-// stream (x through the read-only path). Left alone, the driver picked 132 KB at 4 CTAs of
-// 16 KB per SM (room for 8), leaving ~120 KB of L1. Applied once per (device, block shape);
-// `driver` restores the driver's choice (an experiment's comparison).
-template <auto kKernel>
-void keep_l1(int threads, std::size_t smem, bool driver) {
-  constexpr int kMaxDevices = 64;
-  // Per instance and device: 1 + (smem * 2048 + threads) * 2 + driver, 0 before the first launch.
-  static std::atomic<int64_t> applied[kMaxDevices];
-  const auto kernel = kKernel;
-  int device = 0;
-  KDA_CUDA_CHECK("kda::conv::launch_packed_conv", cudaGetDevice(&device));
-  const int64_t key = 1 + ((static_cast<int64_t>(smem) * 2048 + threads) * 2 + (driver ? 1 : 0));
-  if (device >= kMaxDevices || applied[device].load(std::memory_order_relaxed) == key) return;
-  const char* fn = "kda::conv::launch_packed_conv";
-  int percent = cudaSharedmemCarveoutDefault;
-  if (!driver) {
-    KDA_CUDA_CHECK(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared));
-    int blocks = 0, per_sm = 0, reserved = 0;
-    KDA_CUDA_CHECK(fn, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
-    KDA_CUDA_CHECK(fn, cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    KDA_CUDA_CHECK(fn, cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
-    const int64_t needed = static_cast<int64_t>(blocks) * (static_cast<int64_t>(smem) + reserved);
-    percent = per_sm > 0 ? static_cast<int>((needed * 100 + per_sm - 1) / per_sm) : 100;
-    if (percent < 1) percent = 1;
-    if (percent > 100) percent = 100;
-  }
-  KDA_CUDA_CHECK(fn, cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent));
-  applied[device].store(key, std::memory_order_relaxed);
-}
-
-template <auto kKernel>
-void launch_kernel(const PackedConvParams& p, dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream) {
-  keep_l1<kKernel>(static_cast<int>(block.x), smem, p.driver_carveout);
-  kKernel<<<grid, block, smem, stream>>>(p);
-}
-
 template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   using Traits = PackedConvTraits<kDType, kVec>;
@@ -200,13 +160,13 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
   if (p.silu && has_bias) {
-    launch_kernel<packed_conv_kernel<Traits, true, true>>(p, grid, block, staging_bytes, stream);
+    packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
   } else if (p.silu) {
-    launch_kernel<packed_conv_kernel<Traits, true, false>>(p, grid, block, staging_bytes, stream);
+    packed_conv_kernel<Traits, true, false><<<grid, block, staging_bytes, stream>>>(p);
   } else if (has_bias) {
-    launch_kernel<packed_conv_kernel<Traits, false, true>>(p, grid, block, staging_bytes, stream);
+    packed_conv_kernel<Traits, false, true><<<grid, block, staging_bytes, stream>>>(p);
   } else {
-    launch_kernel<packed_conv_kernel<Traits, false, false>>(p, grid, block, staging_bytes, stream);
+    packed_conv_kernel<Traits, false, false><<<grid, block, staging_bytes, stream>>>(p);
   }
 }
 
