@@ -3,7 +3,7 @@
 // in_proj row stride 4864, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). One run shows
 // which (vec, chunk_len, warps_per_cta) to make the default.
 //
-//   bench_conv_tunings [--quick] [--patterns]
+//   bench_conv_tunings [--quick] [--patterns | --walks]
 //
 // For each batch shape it prints the copy time, the default launch, the best tuning and every
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
@@ -178,9 +178,12 @@ std::pair<std::vector<char>, std::vector<char>> result_of(Batch& b, const std::v
 // of the gap to a flat copy is the pattern itself. A warp moves 16-row programs of a 32-lane x
 // kLaneBytes column band of one plane (the packed kernel's default tile: 128 bf16 channels,
 // 4 warps a CTA), optionally also reading the 3 rows before its chunk (the seed rows), with
-// default or streaming cache hints. Grid (tokens / 16, column groups, 3 planes).
-template <int kSeeds, int kLaneBytes, bool kStreamStore, bool kNoAllocLoad>
+// default or streaming cache hints. Grid (tokens / 16, column groups, 3 planes). kFlat: the
+// same programs on a flat layout instead (rows kDim apart in and out, one output matrix), to
+// tell the layout's cost (strided rows, three planes) from the programs' shape.
+template <int kSeeds, int kLaneBytes, bool kStreamStore, bool kNoAllocLoad, bool kFlat = false>
 __global__ void __launch_bounds__(128) pattern_copy_kernel(const char* x, char* out, int64_t tokens) {
+  constexpr int64_t kInStride = kFlat ? kDim : kRowStride;
   using V = typename std::conditional<kLaneBytes == 8, uint2, uint4>::type;
   constexpr int kRows = 16;
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -189,9 +192,10 @@ __global__ void __launch_bounds__(128) pattern_copy_kernel(const char* x, char* 
   if (col >= kPartDim) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const char* src = x + (blockIdx.z * kPartDim + col) * 2;
-  char* dst = out + (blockIdx.z * tokens * kPartDim + col) * 2;
+  char* dst = out + ((kFlat ? 0 : blockIdx.z * tokens * kPartDim) + (kFlat ? blockIdx.z * kPartDim : 0) + col) * 2;
+  constexpr int64_t kOutStride = kFlat ? kDim : kPartDim;
   auto load = [&](int64_t row) {
-    const V* p = reinterpret_cast<const V*>(src + row * kRowStride * 2);
+    const V* p = reinterpret_cast<const V*>(src + row * kInStride * 2);
     V v;
     if constexpr (kNoAllocLoad && kLaneBytes == 8) {
       asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -218,7 +222,7 @@ __global__ void __launch_bounds__(128) pattern_copy_kernel(const char* x, char* 
   q[0].y ^= seed.y;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
-    V* p = reinterpret_cast<V*>(dst + (t0 + i) * kPartDim * 2);
+    V* p = reinterpret_cast<V*>(dst + (t0 + i) * kOutStride * 2);
     if constexpr (kStreamStore) {
       __stcs(p, q[i]);
     } else {
@@ -227,13 +231,64 @@ __global__ void __launch_bounds__(128) pattern_copy_kernel(const char* x, char* 
   }
 }
 
-template <int kSeeds, int kLaneBytes, bool kStreamStore, bool kNoAllocLoad>
+template <int kSeeds, int kLaneBytes, bool kStreamStore, bool kNoAllocLoad, bool kFlat = false>
 void launch_pattern(const BufferSet& s, int64_t tokens) {
   constexpr int kWarps = kLaneBytes == 8 ? 4 : 2;
   const int64_t cols = kPartDim / (32 * kLaneBytes / 2);  // column blocks per plane
   const dim3 grid(static_cast<unsigned>(tokens / 16), static_cast<unsigned>((cols + kWarps - 1) / kWarps), 3);
-  pattern_copy_kernel<kSeeds, kLaneBytes, kStreamStore, kNoAllocLoad>
+  pattern_copy_kernel<kSeeds, kLaneBytes, kStreamStore, kNoAllocLoad, kFlat>
       <<<grid, kWarps * 32>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+}
+
+// The band pattern walked by long-lived warps: each warp moves kChunks consecutive 16-row
+// chunks of its band (no seed rows: a conv warp walking consecutive chunks carries its history)
+// and, with kPipelined, issues the next chunk's 16 loads before it stores the current chunk
+// (two register buffers), so its loads never wait for its stores. Grid (ceil(tokens / (16 *
+// kChunks)), column groups, 3 planes). The question: does a walk whose loads stay in flight
+// come closer to the flat copy than one-shot programs?
+template <int kChunks, bool kPipelined>
+__global__ void __launch_bounds__(128) walk_copy_kernel(const char* x, char* out, int64_t tokens) {
+  constexpr int kRows = 16;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t col = (static_cast<int64_t>(blockIdx.y) * 4 + warp) * 128 + lane * 4;
+  if (col >= kPartDim) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows * kChunks;
+  const int chunks = static_cast<int>(std::min<int64_t>(kChunks, (tokens - t0) / kRows));
+  const char* src = x + (blockIdx.z * kPartDim + col) * 2 + t0 * kRowStride * 2;
+  char* dst = out + (blockIdx.z * tokens * kPartDim + col) * 2 + t0 * kPartDim * 2;
+  uint2 a[kRows], b[kRows];
+  const auto load = [&](uint2 (&q)[kRows], int c) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      q[i] = __ldg(reinterpret_cast<const uint2*>(src + (static_cast<int64_t>(c) * kRows + i) * kRowStride * 2));
+  };
+  const auto store = [&](const uint2 (&q)[kRows], int c) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      __stcs(reinterpret_cast<uint2*>(dst + (static_cast<int64_t>(c) * kRows + i) * kPartDim * 2), q[i]);
+  };
+  if constexpr (kPipelined) {
+    if (chunks > 0) load(a, 0);
+    for (int c = 0; c < chunks; c += 2) {
+      if (c + 1 < chunks) load(b, c + 1);
+      store(a, c);
+      if (c + 1 >= chunks) break;
+      if (c + 2 < chunks) load(a, c + 2);
+      store(b, c + 1);
+    }
+  } else {
+    for (int c = 0; c < chunks; ++c) {
+      load(a, c);
+      store(a, c);
+    }
+  }
+}
+
+template <int kChunks, bool kPipelined>
+void launch_walk(const BufferSet& s, int64_t tokens) {
+  const int64_t rows = 16 * kChunks;
+  const dim3 grid(static_cast<unsigned>((tokens + rows - 1) / rows), static_cast<unsigned>(kPartDim / 512), 3);
+  walk_copy_kernel<kChunks, kPipelined><<<grid, 128>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
 // The two references of a pattern table: a flat copy of the bytes the kernel moves, and the
@@ -393,10 +448,38 @@ void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
   }
 }
 
+void run_walk_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
+  std::printf("\n| tokens x seqs | flat copy us | packed (default) | walk 2 chunks | 4 | 8 | 16 | pipelined 2 | 4 | 8 | 16 | 32 |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const Shape& shape : shapes) {
+    Batch b;
+    make_batch(b, shape, rng);
+    const int64_t t = b.tokens;
+    const auto [flat, packed] = flat_and_packed_us(b, reps);
+    const double r[] = {
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<2, false>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<4, false>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<8, false>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<16, false>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<2, true>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<4, true>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<8, true>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<16, true>(s, t); }),
+        time_us(b, reps, [&](BufferSet& s) { launch_walk<32, true>(s, t); }),
+    };
+    BENCH_CUDA(cudaGetLastError());
+    std::printf("| %lld x %lld | %.1f | %.1f (%.3f)", static_cast<long long>(t), static_cast<long long>(shape.seqs),
+                flat, packed, packed / flat);
+    for (double us : r) std::printf(" | %.1f (%.3f)", us, us / flat);
+    std::printf(" |\n");
+    std::fflush(stdout);
+  }
+}
+
 void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
   std::printf("| tokens x seqs | flat copy us | packed (default) us | pattern: 16 rows | + 3 seed rows | + streaming stores "
-              "| + no-L1 loads | 16-byte lanes, seeds | no seeds, streaming stores |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+              "| + no-L1 loads | 16-byte lanes, seeds | no seeds, streaming stores | flat layout, no seeds | flat layout, seeds |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const Shape& shape : shapes) {
     Batch b;
     make_batch(b, shape, rng);
@@ -408,27 +491,33 @@ void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int re
     const double p3 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, true, true>(s, t); });
     const double p4 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 16, false, false>(s, t); });
     const double p5 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, true, false>(s, t); });
+    const double p6 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, false, false, true>(s, t); });
+    const double p7 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, false, false, true>(s, t); });
     BENCH_CUDA(cudaGetLastError());
-    std::printf("| %lld x %lld | %.1f | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) |\n",
+    std::printf("| %lld x %lld | %.1f | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) |\n",
                 static_cast<long long>(t), static_cast<long long>(shape.seqs), flat, packed, packed / flat, p0,
-                p0 / flat, p1, p1 / flat, p2, p2 / flat, p3, p3 / flat, p4, p4 / flat, p5, p5 / flat);
+                p0 / flat, p1, p1 / flat, p2, p2 / flat, p3, p3 / flat, p4, p4 / flat, p5, p5 / flat, p6, p6 / flat,
+                p7, p7 / flat);
     std::fflush(stdout);
   }
   std::printf("\n(ratios to the flat copy in parentheses)\n");
+  run_walk_patterns(shapes, rng, reps);
   run_ring_patterns(shapes, rng, reps);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, patterns = false;
+  bool quick = false, patterns = false, walks = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--patterns") == 0) {
       patterns = true;
+    } else if (std::strcmp(argv[i], "--walks") == 0) {
+      walks = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--patterns]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks]\n", argv[0]);
       return 1;
     }
   }
@@ -445,6 +534,10 @@ int main(int argc, char** argv) {
     std::mt19937_64 pattern_rng(7);
     if (patterns) {
       run_patterns(shapes, pattern_rng, quick ? 20 : 100);
+      return 0;
+    }
+    if (walks) {  // the walk table of --patterns alone
+      run_walk_patterns(shapes, pattern_rng, quick ? 20 : 100);
       return 0;
     }
     // Around the default (vec 4, 16-token chunks): chunk programs per CTA and the CTA size;
