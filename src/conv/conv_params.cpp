@@ -89,18 +89,9 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
-  if (tuning.queue_rows != 0) {
-    if (tuning.queue_rows != 32)
-      return detail::str_cat("queue_rows ", tuning.queue_rows, " is not 32 (or 0 for the default)");
-    if (vec != 4 || dtype_size(args.x_dtype) != 2)
-      return detail::str_cat("queue_rows 32 needs 8-byte rows (vec 4 of a 16-bit x); vec is ", vec,
-                             " and x has ", dtype_size(args.x_dtype), "-byte elements");
-  }
   const int warps = tuning.warps_per_cta != 0
                         ? tuning.warps_per_cta
                         : default_warps_per_cta(args.num_tokens, args.part_dim / (32 * vec));
-  if (tuning.queue_rows != 0 && warps > 4)
-    return detail::str_cat("queue_rows ", tuning.queue_rows, " runs at most 4 warps per CTA, not ", warps);
   if (warps * staging_bytes_per_warp(32 * vec) > kMaxStagingBytes)
     return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
                            warps * staging_bytes_per_warp(32 * vec),
@@ -154,7 +145,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
 
   p.vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   p.tile = 32 * p.vec;
-  p.queue_rows = tuning.queue_rows;
   p.num_col_blocks = args.dim / p.tile;
   const int chunk = tuning.chunk_len != 0 ? tuning.chunk_len
                                           : default_chunk_len(args.num_tokens, args.dim);

@@ -15,8 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  int queue_rows = 0;     // x rows each lane keeps in flight: 0 = the instance's (about 128
-                          // bytes: 16 rows of 8 bytes), or 32 for 8-byte rows (vec 4, 16-bit x)
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -57,7 +55,6 @@ struct PackedConvParams {
   int64_t programs_per_col_block = 0;  // (num_tokens >> chunk_shift) + num_seqs
   int64_t num_programs = 0;            // programs_per_col_block * num_col_blocks
   int warps_per_cta = 0;
-  int queue_rows = 0;  // 0: the instance's row queue (PackedConvTraits); 32: the deep instance
   // The grid is (cta_programs, col_groups_per_plane, planes): CTA (x, y, z) runs chunk
   // programs x * chunks_per_cta + j (j < chunks_per_cta, < programs_per_col_block) one after
   // another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of

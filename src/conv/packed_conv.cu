@@ -134,17 +134,8 @@ struct DeviceOps {
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
-//
-// The deep-queue instance (32 rows of 8 bytes in flight per lane) needs 32 more registers than
-// that: it spilled 58-68 bytes at 128, so it runs at most 4 warps a CTA, held to 168 registers
-// (3 CTAs of 4 warps per SM: 12 warps).
-template <class Traits>
-constexpr int max_threads_of() { return Traits::kQueueRows > 16 ? 128 : kMaxThreadsPerCta; }
-template <class Traits>
-constexpr int min_ctas_of() { return Traits::kQueueRows > 16 ? 3 : (Traits::kVec <= 4 ? 2 : 1); }
-
 template <typename Traits, bool kSilu, bool kHasBias>
-__global__ void __launch_bounds__(max_threads_of<Traits>(), min_ctas_of<Traits>())
+__global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
   const int warp = static_cast<int>(threadIdx.x / 32);
@@ -159,9 +150,9 @@ packed_conv_kernel(const PackedConvParams p) {
                                                 blockIdx.z, plane_col_block, lane, ops);
 }
 
-template <DType kDType, int kVec, int kQueue = 0>
+template <DType kDType, int kVec>
 void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
-  using Traits = PackedConvTraits<kDType, kVec, kQueue>;
+  using Traits = PackedConvTraits<kDType, kVec>;
   const dim3 grid(static_cast<unsigned>(p.cta_programs),
                   static_cast<unsigned>(p.col_groups_per_plane), static_cast<unsigned>(p.planes));
   const dim3 block(static_cast<unsigned>(p.warps_per_cta * 32));
@@ -181,17 +172,9 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
 
 template <DType kDType>
 void launch_for_vec(const PackedConvParams& p, cudaStream_t stream, const char* function) {
-  // The deep row queue exists for 8-byte rows only (check_tuning refuses the rest).
-  if (p.queue_rows != 0 && (p.queue_rows != 32 || p.vec != 4 || dtype_bytes(kDType) != 2))
-    KDA_FAIL(function, "queue_rows ", p.queue_rows, " with vec ", p.vec,
-             " has no kernel instance; the deep queue is 32 rows of vec 4 of a 16-bit x");
   switch (p.vec) {
     case 8: return launch_instance<kDType, 8>(p, stream);
-    case 4:
-      if constexpr (dtype_bytes(kDType) == 2) {
-        if (p.queue_rows == 32) return launch_instance<kDType, 4, 32>(p, stream);
-      }
-      return launch_instance<kDType, 4>(p, stream);
+    case 4: return launch_instance<kDType, 4>(p, stream);
     case 2: return launch_instance<kDType, 2>(p, stream);
     case 1: return launch_instance<kDType, 1>(p, stream);
     default: KDA_FAIL(function, "vec ", p.vec, " has no kernel instance; supported are 8, 4, 2, 1");

@@ -50,9 +50,8 @@ constexpr int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? 
 
 constexpr int dtype_bytes(DType t) { return t == DType::FP32 ? 4 : 2; }
 
-// Compile-time facts of one instance: element type, channels per lane and, when kQueue is not
-// 0, the row queue's length (the deep instance: 32 rows of 8 bytes).
-template <DType kDType, int kVecChannels, int kQueue = 0>
+// Compile-time facts of one instance: element type and channels per lane.
+template <DType kDType, int kVecChannels>
 struct PackedConvTraits {
   static constexpr DType kElem = kDType;
   static constexpr int kElemBytes = dtype_bytes(kDType);
@@ -62,8 +61,7 @@ struct PackedConvTraits {
   static constexpr int kWords = kRowBytes >= 4 ? kRowBytes / 4 : 1;
   // About 128 bytes of loads in flight per lane, 4 to 16 rows: 16 rows of 4 bf16 channels,
   // 8 rows of 8 bf16 or 4 fp32 channels, 4 rows of 8 fp32 channels.
-  static constexpr int kQueueRows = kQueue != 0 ? kQueue : clamp_int(128 / kRowBytes, 4, 16);
-  static_assert(kQueue == 0 || (kQueue == 32 && kRowBytes == 8), "the deep queue: 32 rows of 8 bytes");
+  static constexpr int kQueueRows = clamp_int(128 / kRowBytes, 4, 16);
 
   static_assert(kVec == 1 || kVec == 2 || kVec == 4 || kVec == 8, "vec is 1, 2, 4 or 8");
   // part_dim % 64 == 0 and the launcher checks part_dim % kTile == 0 for the larger tiles.

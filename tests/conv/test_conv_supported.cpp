@@ -452,17 +452,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
           "warps_per_cta 8 with vec 8 needs 59136 bytes of shared memory, more than 49152");
     CHECK(kda::conv::check_tuning(a, {8, 0, 4}).empty());
   }
-  SUBCASE("the deep row queue") {
-    CHECK(kda::conv::check_tuning(a, {4, 32, 4, 1, 32}).empty());
-    CHECK(kda::conv::check_tuning(a, {0, 32, 0, 2, 32}).empty());  // default vec 4 and warps
-    CHECK(kda::conv::check_tuning(a, {4, 32, 4, 1, 24}) == "queue_rows 24 is not 32 (or 0 for the default)");
-    CHECK(kda::conv::check_tuning(a, {2, 32, 4, 1, 32}) ==
-          "queue_rows 32 needs 8-byte rows (vec 4 of a 16-bit x); vec is 2 and x has 2-byte elements");
-    CHECK(kda::conv::check_tuning(a, {4, 32, 8, 1, 32}) == "queue_rows 32 runs at most 4 warps per CTA, not 8");
-    a.x_dtype = kda::DType::FP32;
-    CHECK(kda::conv::check_tuning(a, {4, 32, 4, 1, 32}) ==
-          "queue_rows 32 needs 8-byte rows (vec 4 of a 16-bit x); vec is 4 and x has 4-byte elements");
-  }
   SUBCASE("every listed tuning of the seed scale is accepted") {
     for (int vec : {8, 4, 2, 1})
       for (int chunk : {8, 16, 32, 64, 128, 256})

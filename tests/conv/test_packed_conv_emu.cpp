@@ -212,11 +212,11 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
   return a;
 }
 
-template <DType kDType, int kVec, int kQueue = 0>
+template <DType kDType, int kVec>
 void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>& x_bytes,
                   const Problem& pr, const std::vector<float>& state,
                   const std::vector<char>& out, int64_t& bad_access) {
-  using Traits = kda::conv::PackedConvTraits<kDType, kVec, kQueue>;
+  using Traits = kda::conv::PackedConvTraits<kDType, kVec>;
   Warp warp;
   warp.stage_storage.resize(static_cast<std::size_t>(kda::conv::staging_floats_per_warp(Traits::kTile)) / 4 + 1);
   warp.x = range_of(x_bytes);
@@ -265,11 +265,7 @@ void run_for_vec(const kda::conv::PackedConvParams& p, const std::vector<char>& 
                  int64_t& bad) {
   switch (p.vec) {
     case 8: return run_instance<kDType, 8>(p, x_bytes, pr, state, out, bad);
-    case 4:
-      if constexpr (kDType != DType::FP32) {
-        if (p.queue_rows == 32) return run_instance<kDType, 4, 32>(p, x_bytes, pr, state, out, bad);
-      }
-      return run_instance<kDType, 4>(p, x_bytes, pr, state, out, bad);
+    case 4: return run_instance<kDType, 4>(p, x_bytes, pr, state, out, bad);
     case 2: return run_instance<kDType, 2>(p, x_bytes, pr, state, out, bad);
     default: return run_instance<kDType, 1>(p, x_bytes, pr, state, out, bad);
   }
@@ -522,32 +518,6 @@ TEST_CASE("the emulated kernel equals the reference with several chunk programs 
     Problem pr = one_long_sequence();
     fill(pr, 42);
     check_outcome(compare(pr, {4, 16, 4, 8}));
-  }
-}
-
-TEST_CASE("the emulated kernel equals the reference with the deep row queue") {
-  // 32 rows of 8 bytes in flight per lane: full 32-token chunks take the guard-free loop,
-  // shorter ones (sequence ends, 8- and 16-token chunks) the guarded loop, longer ones reload.
-  for (DType dtype : {DType::BF16, DType::FP16}) {
-    for (int chunk : {16, 32, 64}) {
-      for (int per_cta : {1, 2}) {
-        CAPTURE(static_cast<int>(dtype));
-        CAPTURE(chunk);
-        CAPTURE(per_cta);
-        Problem pr = base_problem(dtype);
-        fill(pr, 500 + chunk + per_cta);
-        kda::conv::ConvTuning t{4, chunk, 4, per_cta};
-        t.queue_rows = 32;
-        check_outcome(compare(pr, t));
-      }
-    }
-  }
-  SUBCASE("one long sequence") {
-    Problem pr = one_long_sequence();
-    fill(pr, 43);
-    kda::conv::ConvTuning t{4, 32, 2, 2};
-    t.queue_rows = 32;
-    check_outcome(compare(pr, t));
   }
 }
 

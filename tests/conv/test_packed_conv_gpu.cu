@@ -839,25 +839,21 @@ TEST_CASE("every valid tuning of the packed kernel gives the stock bits") {
     const PackedConvArgs pa = device_args(hp, in, packed);
     int run = 0, invalid = 0;
     int64_t total_bits = 0;
-    const std::vector<int> chunks = quick() ? std::vector<int>{8, 32, 64, 256} : std::vector<int>{8, 16, 32, 64, 128, 256};
+    const std::vector<int> chunks = quick() ? std::vector<int>{8, 64, 256} : std::vector<int>{8, 16, 32, 64, 128, 256};
     const std::vector<int> warps = quick() ? std::vector<int>{1, 4} : std::vector<int>{1, 2, 4, 8};
-    for (int queue : {0, 32})
     for (int per_cta : {1, 4, 16})
     for (int vec : {1, 2, 4, 8})
       for (int chunk : chunks)
         for (int w : warps) {
-          if (queue != 0 && (vec != 4 || per_cta == 16)) continue;  // the deep queue: vec 4 only
           kda::conv::ConvTuning t;
           t.vec = vec;
           t.chunk_len = chunk;
           t.warps_per_cta = w;
           t.chunks_per_cta = per_cta;
-          t.queue_rows = queue;
           if (!kda::conv::check_tuning(pa, t).empty()) {
             ++invalid;
             continue;
           }
-          CAPTURE(queue);
           CAPTURE(per_cta);
           CAPTURE(vec);
           CAPTURE(chunk);
