@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -402,12 +403,14 @@ void launch_ring(const BufferSet& s, int64_t tokens, int rows_per_cta) {
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens, rows_per_cta);
 }
 
-// Bitwise check of one ring variant against the plain copy of the same rows (seed rows off).
-bool ring_copies_exactly(Batch& b) {
+// Bitwise check of a pattern copy (seed rows off) against the rows it copies: plane p of out
+// row r is x row r's columns p * part_dim ... (p + 1) * part_dim - 1.
+template <typename Launch>
+bool copies_exactly(Batch& b, Launch&& launch) {
   BufferSet& s = b.sets[0];
   const int64_t t = b.tokens;
   BENCH_CUDA(cudaMemset(s.copy_dst, 0xFF, static_cast<std::size_t>(t * kDim * 2)));
-  launch_ring<4, 8, 0>(s, t, 64);
+  launch(s, t);
   BENCH_CUDA(cudaDeviceSynchronize());
   const std::vector<char> got = download(s.copy_dst, t * kDim * 2);
   std::vector<char> xs = download(s.x, t * kRowStride * 2);
@@ -419,61 +422,61 @@ bool ring_copies_exactly(Batch& b) {
   return true;
 }
 
-void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
-  std::printf("\n| tokens x seqs | flat copy us | packed (default) | ring 4x8 rows, 32 per CTA | 4x8, 64 | 4x8, 128 | 4x8, 256 "
-              "| 4x16, 128 | 2x16, 32 | 8x8, 256 | 4x8, 64, no seeds | exact |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+using PatternLaunch = std::function<void(BufferSet&, int64_t)>;
+
+// One table of pattern copies: per shape the flat copy, the packed kernel's default launch and
+// each variant (us, and the ratio to the flat copy), then whether `checked` copies exactly.
+void run_pattern_table(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps, const char* columns,
+                       const std::vector<PatternLaunch>& variants, const PatternLaunch& checked) {
+  std::printf("\n| tokens x seqs | flat copy us | packed (default) | %s | exact |\n", columns);
+  std::printf("| --- | --- | ---");
+  for (std::size_t i = 0; i <= variants.size(); ++i) std::printf(" | ---");
+  std::printf(" |\n");
   for (const Shape& shape : shapes) {
     Batch b;
     make_batch(b, shape, rng);
     const int64_t t = b.tokens;
     const auto [flat, packed] = flat_and_packed_us(b, reps);
-    const double r[] = {
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 32); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 64); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 128); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 3>(s, t, 256); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 16, 3>(s, t, 128); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<2, 16, 3>(s, t, 32); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<8, 8, 3>(s, t, 256); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_ring<4, 8, 0>(s, t, 64); }),
-    };
+    std::vector<double> us;
+    for (const PatternLaunch& v : variants) us.push_back(time_us(b, reps, [&](BufferSet& s) { v(s, t); }));
     BENCH_CUDA(cudaGetLastError());
-    const bool exact = ring_copies_exactly(b);
+    const bool exact = copies_exactly(b, checked);
     std::printf("| %lld x %lld | %.1f | %.1f (%.3f)", static_cast<long long>(t), static_cast<long long>(shape.seqs),
                 flat, packed, packed / flat);
-    for (double us : r) std::printf(" | %.1f (%.3f)", us, us / flat);
+    for (double u : us) std::printf(" | %.1f (%.3f)", u, u / flat);
     std::printf(" | %s |\n", exact ? "yes" : "NO");
     std::fflush(stdout);
   }
 }
 
+void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
+  run_pattern_table(shapes, rng, reps,
+                    "ring 4x8 rows, 32 per CTA | 4x8, 64 | 4x8, 128 | 4x8, 256 | 4x16, 128 | 2x16, 32 | 8x8, 256 "
+                    "| 4x8, 64, no seeds",
+                    {[](BufferSet& s, int64_t t) { launch_ring<4, 8, 3>(s, t, 32); },
+                     [](BufferSet& s, int64_t t) { launch_ring<4, 8, 3>(s, t, 64); },
+                     [](BufferSet& s, int64_t t) { launch_ring<4, 8, 3>(s, t, 128); },
+                     [](BufferSet& s, int64_t t) { launch_ring<4, 8, 3>(s, t, 256); },
+                     [](BufferSet& s, int64_t t) { launch_ring<4, 16, 3>(s, t, 128); },
+                     [](BufferSet& s, int64_t t) { launch_ring<2, 16, 3>(s, t, 32); },
+                     [](BufferSet& s, int64_t t) { launch_ring<8, 8, 3>(s, t, 256); },
+                     [](BufferSet& s, int64_t t) { launch_ring<4, 8, 0>(s, t, 64); }},
+                    [](BufferSet& s, int64_t t) { launch_ring<4, 8, 0>(s, t, 64); });
+}
+
+// Walks carry no seed rows, so every one copies exactly; the pipelined 4-chunk walk is checked.
 void run_walk_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
-  std::printf("\n| tokens x seqs | flat copy us | packed (default) | walk 2 chunks | 4 | 8 | 16 | pipelined 2 | 4 | 8 | 16 | 32 |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
-  for (const Shape& shape : shapes) {
-    Batch b;
-    make_batch(b, shape, rng);
-    const int64_t t = b.tokens;
-    const auto [flat, packed] = flat_and_packed_us(b, reps);
-    const double r[] = {
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<2, false>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<4, false>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<8, false>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<16, false>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<2, true>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<4, true>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<8, true>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<16, true>(s, t); }),
-        time_us(b, reps, [&](BufferSet& s) { launch_walk<32, true>(s, t); }),
-    };
-    BENCH_CUDA(cudaGetLastError());
-    std::printf("| %lld x %lld | %.1f | %.1f (%.3f)", static_cast<long long>(t), static_cast<long long>(shape.seqs),
-                flat, packed, packed / flat);
-    for (double us : r) std::printf(" | %.1f (%.3f)", us, us / flat);
-    std::printf(" |\n");
-    std::fflush(stdout);
-  }
+  run_pattern_table(shapes, rng, reps, "walk 2 chunks | 4 | 8 | 16 | pipelined 2 | 4 | 8 | 16 | 32",
+                    {[](BufferSet& s, int64_t t) { launch_walk<2, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<4, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<8, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<16, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<2, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<4, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<8, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<16, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_walk<32, true>(s, t); }},
+                    [](BufferSet& s, int64_t t) { launch_walk<4, true>(s, t); });
 }
 
 void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
