@@ -193,7 +193,8 @@ __global__ void __launch_bounds__(128) pattern_copy_kernel(const char* x, char* 
   if (col >= kPartDim) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const char* src = x + (blockIdx.z * kPartDim + col) * 2;
-  char* dst = out + ((kFlat ? 0 : blockIdx.z * tokens * kPartDim) + (kFlat ? blockIdx.z * kPartDim : 0) + col) * 2;
+  const int64_t plane_begin = kFlat ? blockIdx.z * kPartDim : blockIdx.z * tokens * kPartDim;  // in elements
+  char* dst = out + (plane_begin + col) * 2;
   constexpr int64_t kOutStride = kFlat ? kDim : kPartDim;
   auto load = [&](int64_t row) {
     const V* p = reinterpret_cast<const V*>(src + row * kInStride * 2);
@@ -464,7 +465,8 @@ void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
                     [](BufferSet& s, int64_t t) { launch_ring<4, 8, 0>(s, t, 64); });
 }
 
-// Walks carry no seed rows, so every one copies exactly; the pipelined 4-chunk walk is checked.
+// Walks read no seed rows, so each copies its rows unchanged; the table checks the pipelined
+// 4-chunk walk.
 void run_walk_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
   run_pattern_table(shapes, rng, reps, "walk 2 chunks | 4 | 8 | 16 | pipelined 2 | 4 | 8 | 16 | 32",
                     {[](BufferSet& s, int64_t t) { launch_walk<2, false>(s, t); },
@@ -479,30 +481,21 @@ void run_walk_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
                     [](BufferSet& s, int64_t t) { launch_walk<4, true>(s, t); });
 }
 
+// The pattern table checks the plain 16-row programs (no seeds: seeded variants fold their
+// seed rows into row 0, so they do not copy exactly).
 void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
-  std::printf("| tokens x seqs | flat copy us | packed (default) us | pattern: 16 rows | + 3 seed rows | + streaming stores "
-              "| + no-L1 loads | 16-byte lanes, seeds | no seeds, streaming stores | flat layout, no seeds | flat layout, seeds |\n");
-  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
-  for (const Shape& shape : shapes) {
-    Batch b;
-    make_batch(b, shape, rng);
-    const int64_t t = b.tokens;
-    const auto [flat, packed] = flat_and_packed_us(b, reps);
-    const double p0 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, false, false>(s, t); });
-    const double p1 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, false, false>(s, t); });
-    const double p2 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, true, false>(s, t); });
-    const double p3 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, true, true>(s, t); });
-    const double p4 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 16, false, false>(s, t); });
-    const double p5 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, true, false>(s, t); });
-    const double p6 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<0, 8, false, false, true>(s, t); });
-    const double p7 = time_us(b, reps, [&](BufferSet& s) { launch_pattern<3, 8, false, false, true>(s, t); });
-    BENCH_CUDA(cudaGetLastError());
-    std::printf("| %lld x %lld | %.1f | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) | %.1f (%.3f) |\n",
-                static_cast<long long>(t), static_cast<long long>(shape.seqs), flat, packed, packed / flat, p0,
-                p0 / flat, p1, p1 / flat, p2, p2 / flat, p3, p3 / flat, p4, p4 / flat, p5, p5 / flat, p6, p6 / flat,
-                p7, p7 / flat);
-    std::fflush(stdout);
-  }
+  run_pattern_table(shapes, rng, reps,
+                    "pattern: 16 rows | + 3 seed rows | + streaming stores | + no-L1 loads | 16-byte lanes, seeds "
+                    "| no seeds, streaming stores | flat layout, no seeds | flat layout, seeds",
+                    {[](BufferSet& s, int64_t t) { launch_pattern<0, 8, false, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<3, 8, false, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<3, 8, true, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<3, 8, true, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<3, 16, false, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<0, 8, false, false, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<3, 8, false, false, true>(s, t); }},
+                    [](BufferSet& s, int64_t t) { launch_pattern<0, 8, false, false>(s, t); });
   std::printf("\n(ratios to the flat copy in parentheses)\n");
   run_walk_patterns(shapes, rng, reps);
   run_ring_patterns(shapes, rng, reps);
