@@ -3,7 +3,7 @@
 // in_proj row stride 4864, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). One run shows
 // which (vec, chunk_len, warps_per_cta) to make the default.
 //
-//   bench_conv_tunings [--quick] [--patterns | --walks]
+//   bench_conv_tunings [--quick] [--patterns | --walks | --copies]
 //
 // For each batch shape it prints the copy time, the default launch, the best tuning and every
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
@@ -293,6 +293,71 @@ void launch_walk(const BufferSet& s, int64_t tokens) {
   walk_copy_kernel<kChunks, kPipelined><<<grid, 128>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
+// --copies: is the flat cudaMemcpy itself the floor? Copy kernels of our own over the same
+// bytes, in two families. Flat: the bytes of a dense (tokens, dim) matrix, each thread moving
+// kUnroll lanes of kLaneBytes (a CTA's lanes are consecutive, all its loads issued before its
+// stores), one-shot CTAs of 256 threads, or kGridStride CTAs (8 per SM) looping over the bytes.
+// Row blocks: the packed kernel's real layout (in_proj rows kRowStride apart, three planes out),
+// a CTA moving kRows consecutive rows of kPlanes whole plane rows (1536 channels, 3 KB each)
+// with one kLaneBytes lane per thread, so each warp reads and writes 512 contiguous bytes (16-byte
+// lanes) and a CTA of 3 planes reads whole 9 KB rows. The question: does any structure beat the
+// driver's copy, and does a row-block structure beat the packed kernel's 256-byte band (the
+// pattern tables' 1.05-1.08)?
+template <int kUnroll, int kLaneBytes, bool kGridStride>
+__global__ void __launch_bounds__(256) flat_copy_kernel(const char* src, char* dst, int64_t bytes) {
+  using V = typename std::conditional<kLaneBytes == 8, uint2, uint4>::type;
+  const int64_t lanes = bytes / kLaneBytes;
+  const V* in = reinterpret_cast<const V*>(src);
+  V* out = reinterpret_cast<V*>(dst);
+  const int64_t step = static_cast<int64_t>(kGridStride ? gridDim.x : 1) * 256 * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * 256 * kUnroll + threadIdx.x; base < lanes;
+       base += step) {
+    V v[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (base + j * 256 < lanes) v[j] = __ldg(in + base + j * 256);
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j)
+      if (base + j * 256 < lanes) __stcs(out + base + j * 256, v[j]);
+    if constexpr (!kGridStride) break;
+  }
+}
+
+template <int kUnroll, int kLaneBytes, bool kGridStride>
+void launch_flat_copy(const BufferSet& s, int64_t tokens) {
+  const int64_t bytes = tokens * kDim * 2;
+  int sms = 0;
+  BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t per_cta = 256ll * kUnroll * kLaneBytes;
+  const int64_t ctas = kGridStride ? 8ll * sms : (bytes + per_cta - 1) / per_cta;
+  flat_copy_kernel<kUnroll, kLaneBytes, kGridStride>
+      <<<static_cast<unsigned>(ctas), 256>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), bytes);
+}
+
+template <int kRows, int kLaneBytes, int kPlanes>
+__global__ void __launch_bounds__(kPlanes * kPartDim * 2 / kLaneBytes)
+row_block_copy_kernel(const char* x, char* out, int64_t tokens) {
+  using V = typename std::conditional<kLaneBytes == 8, uint2, uint4>::type;
+  constexpr int kThreadsPerPlane = kPartDim * 2 / kLaneBytes;
+  const int plane = static_cast<int>(blockIdx.y) * kPlanes + static_cast<int>(threadIdx.x) / kThreadsPerPlane;
+  const int64_t col_byte = static_cast<int64_t>(threadIdx.x % kThreadsPerPlane) * kLaneBytes;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const char* src = x + (t0 * kRowStride + plane * kPartDim) * 2 + col_byte;
+  char* dst = out + (plane * tokens + t0) * kPartDim * 2 + col_byte;
+  V q[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const V*>(src + i * kRowStride * 2));
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) __stcs(reinterpret_cast<V*>(dst + i * kPartDim * 2), q[i]);
+}
+
+template <int kRows, int kLaneBytes, int kPlanes>
+void launch_row_block_copy(const BufferSet& s, int64_t tokens) {
+  const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(3 / kPlanes));
+  row_block_copy_kernel<kRows, kLaneBytes, kPlanes><<<grid, kPlanes * kPartDim * 2 / kLaneBytes>>>(
+      static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+}
+
 // The two references of a pattern table: a flat copy of the bytes the kernel moves, and the
 // packed kernel's default launch.
 std::pair<double, double> flat_and_packed_us(Batch& b, int reps) {
@@ -404,10 +469,189 @@ void launch_ring(const BufferSet& s, int64_t tokens, int rows_per_cta) {
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens, rows_per_cta);
 }
 
+// Bulk-copy (TMA engine) forms of the same copies, to tell whether the driver's copy wins by
+// moving bytes without the SMs' load/store path. Flat: one lane of a one-warp CTA moves
+// kPieces pieces of 16 KB through shared memory (cp.async.bulk in, complete on an mbarrier, then
+// cp.async.bulk out). Row blocks: kRows rows of kPlanes plane rows (3 KB each) loaded by
+// per-plane-row bulk copies into a plane-major tile, each plane's kRows x 3 KB stored by one
+// bulk copy (its output rows are contiguous). kRegLoads: the rows come in by the threads' own
+// 16-byte loads instead and are written to the tile (the packed kernel's results would be),
+// then the same bulk stores: does the store path alone separate our copies from the driver's?
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n BULK_WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra BULK_WAIT;\n}" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               ::"l"(gmem), "r"(smem_u32(smem)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_store_drain() {
+  asm volatile("cp.async.bulk.commit_group;\n cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+constexpr int kBulkPiece = 16384;
+
+template <int kPieces>
+__global__ void __launch_bounds__(32) flat_bulk_copy_kernel(const char* src, char* dst, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) char tile[];
+  __shared__ __align__(8) uint64_t bar;
+  if (threadIdx.x != 0) return;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPieces * kBulkPiece;
+  const uint32_t total = static_cast<uint32_t>(std::min<int64_t>(kPieces * kBulkPiece, bytes - begin));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar)));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar)), "r"(total) : "memory");
+  for (uint32_t off = 0; off < total; off += kBulkPiece)
+    bulk_load(tile + off, src + begin + off, std::min<uint32_t>(kBulkPiece, total - off), &bar);
+  bulk_wait(&bar, 0);
+  for (uint32_t off = 0; off < total; off += kBulkPiece)
+    bulk_store(dst + begin + off, tile + off, std::min<uint32_t>(kBulkPiece, total - off));
+  bulk_store_drain();
+#endif
+}
+
+template <int kPieces>
+void launch_flat_bulk_copy(const BufferSet& s, int64_t tokens) {
+  const int64_t bytes = tokens * kDim * 2;
+  const int smem = kPieces * kBulkPiece;
+  static bool configured = false;
+  if (!configured) {
+    BENCH_CUDA(cudaFuncSetAttribute(flat_bulk_copy_kernel<kPieces>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  const int64_t per_cta = static_cast<int64_t>(kPieces) * kBulkPiece;
+  flat_bulk_copy_kernel<kPieces><<<static_cast<unsigned>((bytes + per_cta - 1) / per_cta), 32, smem>>>(
+      static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), bytes);
+}
+
+constexpr int kPlaneRowBytes = kPartDim * 2;
+
+template <int kRows, int kPlanes, bool kRegLoads>
+__global__ void __launch_bounds__(kRegLoads ? kPlanes * kPlaneRowBytes / 16 : 32)
+row_block_bulk_kernel(const char* x, char* out, int64_t tokens) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) char tile[];  // [plane][row][3 KB]
+  __shared__ __align__(8) uint64_t bar;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int plane0 = static_cast<int>(blockIdx.y) * kPlanes;
+  if constexpr (kRegLoads) {
+    constexpr int kThreadsPerPlane = kPlaneRowBytes / 16;
+    const int p = static_cast<int>(threadIdx.x) / kThreadsPerPlane;
+    const int col_byte = (static_cast<int>(threadIdx.x) % kThreadsPerPlane) * 16;
+    const char* src = x + (t0 * kRowStride + (plane0 + p) * kPartDim) * 2 + col_byte;
+    uint4 q[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const uint4*>(src + i * kRowStride * 2));
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      *reinterpret_cast<uint4*>(tile + (p * kRows + i) * kPlaneRowBytes + col_byte) = q[i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+  } else {
+    if (threadIdx.x != 0) return;
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bar)),
+                 "r"(kPlanes * kRows * kPlaneRowBytes) : "memory");
+    for (int p = 0; p < kPlanes; ++p)
+      for (int i = 0; i < kRows; ++i)
+        bulk_load(tile + (p * kRows + i) * kPlaneRowBytes, x + ((t0 + i) * kRowStride + (plane0 + p) * kPartDim) * 2,
+                  kPlaneRowBytes, &bar);
+    bulk_wait(&bar, 0);
+  }
+  for (int p = 0; p < kPlanes; ++p)
+    bulk_store(out + ((plane0 + p) * tokens + t0) * kPartDim * 2, tile + p * kRows * kPlaneRowBytes,
+               kRows * kPlaneRowBytes);
+  bulk_store_drain();
+#endif
+}
+
+template <int kRows, int kPlanes, bool kRegLoads>
+void launch_row_block_bulk(const BufferSet& s, int64_t tokens) {
+  const int smem = kPlanes * kRows * kPlaneRowBytes;
+  static bool configured = false;
+  if (!configured) {
+    BENCH_CUDA(cudaFuncSetAttribute(row_block_bulk_kernel<kRows, kPlanes, kRegLoads>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(3 / kPlanes));
+  row_block_bulk_kernel<kRows, kPlanes, kRegLoads><<<grid, kRegLoads ? kPlanes * kPlaneRowBytes / 16 : 32, smem>>>(
+      static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+}
+
+// Which part of the row-block bulk copy's gain would a conv keep? The band pattern's register
+// loads with its results staged in shared memory and written by bulk copies: per warp (each
+// warp's 32 x kLaneBytes band, one bulk store per row), per CTA (the CTA's band, one store per
+// row, after a barrier) or, when the CTA spans the whole plane row, one store of all kRows rows
+// (they are contiguous in the plane). Grid (tokens / kRows, column groups, 3 planes).
+enum class BulkScope { kWarpRows, kCtaRows, kCtaBlock };
+
+template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope>
+__global__ void __launch_bounds__(kWarps * 32) band_bulk_kernel(const char* x, char* out, int64_t tokens) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using V = typename std::conditional<kLaneBytes == 8, uint2, uint4>::type;
+  constexpr int kWarpBand = 32 * kLaneBytes, kCtaBand = kWarps * kWarpBand;
+  static_assert(kScope != BulkScope::kCtaBlock || kCtaBand == kPlaneRowBytes, "one block: whole plane rows");
+  extern __shared__ __align__(128) char tile[];  // [kRows][kCtaBand]
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t band_byte = static_cast<int64_t>(blockIdx.y) * kCtaBand;  // in the plane row
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const char* src = x + (t0 * kRowStride + blockIdx.z * kPartDim) * 2 + band_byte + warp * kWarpBand + lane * kLaneBytes;
+  char* dst = out + (blockIdx.z * tokens + t0) * kPlaneRowBytes + band_byte;
+  V q[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const V*>(src + i * kRowStride * 2));
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+    *reinterpret_cast<V*>(tile + i * kCtaBand + warp * kWarpBand + lane * kLaneBytes) = q[i];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  if constexpr (kScope == BulkScope::kWarpRows) {
+    __syncwarp();
+    if (lane != 0) return;
+    for (int i = 0; i < kRows; ++i)
+      bulk_store(dst + i * kPlaneRowBytes + warp * kWarpBand, tile + i * kCtaBand + warp * kWarpBand, kWarpBand);
+  } else {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    if constexpr (kScope == BulkScope::kCtaRows) {
+      for (int i = 0; i < kRows; ++i) bulk_store(dst + i * kPlaneRowBytes, tile + i * kCtaBand, kCtaBand);
+    } else {
+      bulk_store(dst, tile, kRows * kCtaBand);
+    }
+  }
+  bulk_store_drain();
+#endif
+}
+
+template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope>
+void launch_band_bulk(const BufferSet& s, int64_t tokens) {
+  constexpr int kCtaBand = kWarps * 32 * kLaneBytes;
+  const int smem = kRows * kCtaBand;
+  static bool configured = false;
+  if (!configured) {
+    BENCH_CUDA(cudaFuncSetAttribute(band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / kCtaBand), 3);
+  band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope><<<grid, kWarps * 32, smem>>>(
+      static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+}
+
 // Bitwise check of a pattern copy (seed rows off) against the rows it copies: plane p of out
-// row r is x row r's columns p * part_dim ... (p + 1) * part_dim - 1.
+// row r is x row r's columns p * part_dim ... (p + 1) * part_dim - 1; or, for a flat copy, out
+// is x's first tokens x dim elements.
 template <typename Launch>
-bool copies_exactly(Batch& b, Launch&& launch) {
+bool copies_exactly(Batch& b, Launch&& launch, bool flat = false) {
   BufferSet& s = b.sets[0];
   const int64_t t = b.tokens;
   BENCH_CUDA(cudaMemset(s.copy_dst, 0xFF, static_cast<std::size_t>(t * kDim * 2)));
@@ -415,6 +659,7 @@ bool copies_exactly(Batch& b, Launch&& launch) {
   BENCH_CUDA(cudaDeviceSynchronize());
   const std::vector<char> got = download(s.copy_dst, t * kDim * 2);
   std::vector<char> xs = download(s.x, t * kRowStride * 2);
+  if (flat) return std::memcmp(got.data(), xs.data(), got.size()) == 0;
   for (int64_t r = 0; r < t; ++r)
     for (int64_t plane = 0; plane < 3; ++plane)
       if (std::memcmp(&got[static_cast<std::size_t>((plane * t + r) * kPartDim * 2)],
@@ -426,9 +671,11 @@ bool copies_exactly(Batch& b, Launch&& launch) {
 using PatternLaunch = std::function<void(BufferSet&, int64_t)>;
 
 // One table of pattern copies: per shape the flat copy, the packed kernel's default launch and
-// each variant (us, and the ratio to the flat copy), then whether `checked` copies exactly.
+// each variant (us, and the ratio to the flat copy), then whether every launch of `checked`
+// (plane layout) and of `flat_checked` (flat copies) copies exactly.
 void run_pattern_table(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps, const char* columns,
-                       const std::vector<PatternLaunch>& variants, const PatternLaunch& checked) {
+                       const std::vector<PatternLaunch>& variants, const std::vector<PatternLaunch>& checked,
+                       const std::vector<PatternLaunch>& flat_checked = {}) {
   std::printf("\n| tokens x seqs | flat copy us | packed (default) | %s | exact |\n", columns);
   std::printf("| --- | --- | ---");
   for (std::size_t i = 0; i <= variants.size(); ++i) std::printf(" | ---");
@@ -441,7 +688,9 @@ void run_pattern_table(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
     std::vector<double> us;
     for (const PatternLaunch& v : variants) us.push_back(time_us(b, reps, [&](BufferSet& s) { v(s, t); }));
     BENCH_CUDA(cudaGetLastError());
-    const bool exact = copies_exactly(b, checked);
+    bool exact = true;
+    for (const PatternLaunch& c : checked) exact = exact && copies_exactly(b, c);
+    for (const PatternLaunch& c : flat_checked) exact = exact && copies_exactly(b, c, true);
     std::printf("| %lld x %lld | %.1f | %.1f (%.3f)", static_cast<long long>(t), static_cast<long long>(shape.seqs),
                 flat, packed, packed / flat);
     for (double u : us) std::printf(" | %.1f (%.3f)", u, u / flat);
@@ -462,7 +711,7 @@ void run_ring_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
                      [](BufferSet& s, int64_t t) { launch_ring<2, 16, 3>(s, t, 32); },
                      [](BufferSet& s, int64_t t) { launch_ring<8, 8, 3>(s, t, 256); },
                      [](BufferSet& s, int64_t t) { launch_ring<4, 8, 0>(s, t, 64); }},
-                    [](BufferSet& s, int64_t t) { launch_ring<4, 8, 0>(s, t, 64); });
+                    {[](BufferSet& s, int64_t t) { launch_ring<4, 8, 0>(s, t, 64); }});
 }
 
 // Walks read no seed rows, so each copies its rows unchanged; the table checks the pipelined
@@ -478,7 +727,7 @@ void run_walk_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
                      [](BufferSet& s, int64_t t) { launch_walk<8, true>(s, t); },
                      [](BufferSet& s, int64_t t) { launch_walk<16, true>(s, t); },
                      [](BufferSet& s, int64_t t) { launch_walk<32, true>(s, t); }},
-                    [](BufferSet& s, int64_t t) { launch_walk<4, true>(s, t); });
+                    {[](BufferSet& s, int64_t t) { launch_walk<4, true>(s, t); }});
 }
 
 // The pattern table checks the plain 16-row programs (no seeds: seeded variants fold their
@@ -495,16 +744,84 @@ void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int re
                      [](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
                      [](BufferSet& s, int64_t t) { launch_pattern<0, 8, false, false, true>(s, t); },
                      [](BufferSet& s, int64_t t) { launch_pattern<3, 8, false, false, true>(s, t); }},
-                    [](BufferSet& s, int64_t t) { launch_pattern<0, 8, false, false>(s, t); });
+                    {[](BufferSet& s, int64_t t) { launch_pattern<0, 8, false, false>(s, t); }});
   std::printf("\n(ratios to the flat copy in parentheses)\n");
   run_walk_patterns(shapes, rng, reps);
   run_ring_patterns(shapes, rng, reps);
 }
 
+// --copies: the flat copy kernels and the row-block copies, by the SMs' loads and stores and
+// by bulk copies, against the driver's flat copy and the packed kernel's band pattern; every
+// variant is checked.
+void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
+  run_pattern_table(shapes, rng, reps,
+                    "flat 16B x4 | flat 16B x8 | flat 8B x8 | flat 16B x4, grid-stride | band 16 rows (the pattern) "
+                    "| plane rows 16B x8 | plane rows 16B x16 | plane rows 8B x16 | whole rows 16B x8 | whole rows 16B x16",
+                    {[](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 16, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 8, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 8, 1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 3>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 3>(s, t); }},
+                    {[](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 8, 1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 3>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 3>(s, t); }},
+                    {[](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 16, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 8, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, true>(s, t); }});
+  std::printf("\n(bulk copies through shared memory)\n");
+  run_pattern_table(shapes, rng, reps,
+                    "flat bulk 16 KB | flat bulk 32 KB | flat bulk 64 KB | plane rows bulk x8 | plane rows bulk x16 "
+                    "| whole rows bulk x8 | plane rows, register loads, bulk stores x8 | x16 | whole rows, register "
+                    "loads, bulk stores x8",
+                    {[](BufferSet& s, int64_t t) { launch_flat_bulk_copy<1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<2>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<4>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, true>(s, t); }},
+                    {[](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, false>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, true>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, true>(s, t); }},
+                    {[](BufferSet& s, int64_t t) { launch_flat_bulk_copy<1>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<2>(s, t); },
+                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<4>(s, t); }});
+  std::printf("\n(the band pattern's register loads, results written by bulk copies)\n");
+  using BS = BulkScope;
+  const std::vector<PatternLaunch> band_bulk = {
+      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 8, 4, BS::kWarpRows>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 8, 4, BS::kCtaRows>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 8, 12, BS::kCtaBlock>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 2, BS::kWarpRows>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 2, BS::kCtaRows>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 16, 2, BS::kWarpRows>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 6, BS::kCtaBlock>(s, t); }};
+  run_pattern_table(shapes, rng, reps,
+                    "8B lanes x16, 4 warps, per-warp row stores | per-CTA row stores | 8B x16, 12 warps, one block "
+                    "| 8B x8, 12 warps, one block | 16B x8, 2 warps, per-warp rows | per-CTA rows | 16B x16, 2 warps, "
+                    "per-warp rows | 16B x8, 6 warps, one block",
+                    band_bulk, band_bulk);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, patterns = false, walks = false;
+  bool quick = false, patterns = false, walks = false, copies = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -512,8 +829,10 @@ int main(int argc, char** argv) {
       patterns = true;
     } else if (std::strcmp(argv[i], "--walks") == 0) {
       walks = true;
+    } else if (std::strcmp(argv[i], "--copies") == 0) {
+      copies = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks | --copies]\n", argv[0]);
       return 1;
     }
   }
@@ -534,6 +853,10 @@ int main(int argc, char** argv) {
     }
     if (walks) {  // the walk table of --patterns alone
       run_walk_patterns(shapes, pattern_rng, quick ? 20 : 100);
+      return 0;
+    }
+    if (copies) {
+      run_copy_patterns(shapes, pattern_rng, quick ? 20 : 100);
       return 0;
     }
     // Around the default (vec 4, 16-token chunks): chunk programs per CTA and the CTA size;
