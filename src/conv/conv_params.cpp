@@ -89,27 +89,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
       return detail::str_cat("chunks_per_cta ", k, " is not one of 1, 2, 4, 8, 16 (or 0 for the default)");
   }
   const int vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
-  if (tuning.block_store) {
-    const int64_t warps = args.part_dim / (32 * vec);
-    if (args.x_dtype != DType::BF16)
-      return "block_store has kernel instances for bf16 only";
-    if (vec != 4 && vec != 8)
-      return detail::str_cat("block_store needs vec 4 or 8, not ", vec);
-    if (warps > kMaxBlockWarps)
-      return detail::str_cat("block_store needs part_dim / (32 * vec) = ", warps, " warps per CTA, more than ",
-                             kMaxBlockWarps);
-    if (tuning.warps_per_cta != 0 && tuning.warps_per_cta != warps)
-      return detail::str_cat("block_store spans a plane row: warps_per_cta must be ", warps, " (or 0), not ",
-                             tuning.warps_per_cta);
-    // The bulk copy's global address and size must be 16-byte multiples.
-    if ((reinterpret_cast<uintptr_t>(args.out) & 15u) != 0 || (resolved_plane_stride(args) * 2) % 16 != 0)
-      return "block_store needs out and its plane stride aligned to 16 bytes";
-    const PackedConvParams p = make_params(args, tuning);
-    if (launch_shared_bytes(p) > kMaxBlockSharedBytes)
-      return detail::str_cat("block_store needs ", launch_shared_bytes(p), " bytes of shared memory, more than ",
-                             kMaxBlockSharedBytes);
-    return check_grid(p);
-  }
   const int warps = tuning.warps_per_cta != 0
                         ? tuning.warps_per_cta
                         : default_warps_per_cta(args.num_tokens, args.part_dim / (32 * vec));
@@ -176,20 +155,13 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.cols_per_plane = args.part_dim / p.tile;
   p.programs_per_col_block = programs_per_col_block(args.num_tokens, args.num_seqs, p.chunk_shift);
   p.num_programs = p.programs_per_col_block * p.num_col_blocks;
-  p.warps_per_cta = tuning.block_store            ? static_cast<int>(p.cols_per_plane)
-                    : tuning.warps_per_cta != 0 ? tuning.warps_per_cta
-                                                : default_warps_per_cta(args.num_tokens, p.cols_per_plane);
+  p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta
+                                             : default_warps_per_cta(args.num_tokens, p.cols_per_plane);
   p.col_groups_per_plane = (p.cols_per_plane + p.warps_per_cta - 1) / p.warps_per_cta;
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
                                                : default_chunks_per_cta(args.num_tokens);
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
-  if (tuning.block_store) {
-    // Two buffers let a CTA's next chunk fill one while the other's bulk copy reads it.
-    p.block_store = true;
-    p.block_buffers = p.chunks_per_cta > 1 ? 2 : 1;
-    p.block_buffer_bytes = (int64_t{1} << p.chunk_shift) * p.part_dim * dtype_size(args.x_dtype);
-  }
   return p;
 }
 

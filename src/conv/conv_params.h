@@ -15,10 +15,6 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // Block stores: a CTA spans a whole plane row (part_dim / (32 * vec) warps, which
-  // warps_per_cta may not contradict), stages each chunk's results in shared memory and writes
-  // them as one contiguous block of rows x part_dim elements with a bulk copy. bf16 only.
-  bool block_store = false;
 };
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
@@ -73,12 +69,6 @@ struct PackedConvParams {
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
-  // Block stores (ConvTuning::block_store): col_groups_per_plane is 1, warps_per_cta is
-  // cols_per_plane, and the CTA's results of one chunk go to one of block_buffers shared-memory
-  // buffers of block_buffer_bytes (chunk_len x part_dim elements) before their bulk copy out.
-  bool block_store = false;
-  int block_buffers = 0;
-  int64_t block_buffer_bytes = 0;
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),
@@ -124,15 +114,6 @@ constexpr int staging_pitch(int tile) { return tile + 8; }
 constexpr int staging_floats_per_warp(int tile) { return 7 * staging_pitch(tile); }
 constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
 constexpr int64_t kMaxStagingBytes = 48 * 1024;
-// Block stores: at most 16 warps per CTA (the block kernel's launch bound) and this much shared
-// memory per CTA (staging plus the result buffers), below the H200's 227 KiB per block.
-constexpr int kMaxBlockWarps = 16;
-constexpr int64_t kMaxBlockSharedBytes = 200 * 1024;
-// The dynamic shared memory a launch of p needs.
-constexpr int64_t launch_shared_bytes(const PackedConvParams& p) {
-  return p.warps_per_cta * staging_bytes_per_warp(p.tile) +
-         (p.block_store ? p.block_buffers * p.block_buffer_bytes : 0);
-}
 
 // Empty when `tuning` can run `args`, otherwise why not (a sentence naming the allowed values).
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning);

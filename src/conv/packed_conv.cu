@@ -123,71 +123,6 @@ struct DeviceOps {
   }
   __device__ __forceinline__ void syncwarp() const { __syncwarp(); }
   __device__ __forceinline__ float* stage() const { return stage_area; }
-
-  // Direct stores: a chunk's results go straight to out.
-  __device__ __forceinline__ char* chunk_out(char* out_row0, int64_t) const { return out_row0; }
-  __device__ __forceinline__ void chunk_done(const PackedConvParams&, const ProgramChunk&, int64_t) {}
-};
-
-// Block stores (ConvTuning::block_store): the CTA spans a whole plane row, so a chunk's results
-// are rows x part_dim contiguous elements of the plane. Its warps store them into a shared-memory
-// buffer instead, and after a barrier one thread writes the block with one bulk copy
-// (cp.async.bulk, the TMA engine). Our reading of bench_conv_tunings --copies (H200,
-// docs/perf-notes.md, session 10): the same band of register loads copies at 1.02 x the
-// driver's copy with one-block bulk stores and at 1.05-1.07 with per-lane or per-row stores.
-// Buffers alternate between consecutive chunks of a CTA, so a chunk's stores into one overlap
-// the previous chunk's bulk copy out of the other.
-struct BlockOps : DeviceOps {
-  char* buffers;          // block_buffers buffers of block_buffer_bytes, shared memory
-  int64_t buffer_bytes;
-  int num_buffers;
-  int current = 0;
-
-  template <int kBytes>
-  __device__ __forceinline__ void store_out(char* ptr, const RowOf<kBytes>& r) const {
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-    if constexpr (kBytes == 16) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(r.w[0]), "r"(r.w[1]), "r"(r.w[2]),
-                   "r"(r.w[3]) : "memory");
-    } else {
-      static_assert(kBytes == 8, "block stores: vec 4 or 8 bf16");
-      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(r.w[0]), "r"(r.w[1]) : "memory");
-    }
-  }
-  __device__ __forceinline__ char* chunk_out(char*, int64_t lane_col_bytes) const {
-    return buffers + current * buffer_bytes + lane_col_bytes;
-  }
-  // Every thread of the CTA calls this after the same chunk ran (packed_conv_programs).
-  __device__ __forceinline__ void chunk_done(const PackedConvParams& p, const ProgramChunk& pc, int64_t plane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The threads' shared-memory stores become visible to the bulk copy (the async proxy).
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int64_t elem = 2;  // bf16
-      char* dst = static_cast<char*>(p.out) + (plane * p.out_plane_stride + pc.begin * p.part_dim) * elem;
-      const uint32_t bytes = static_cast<uint32_t>((pc.end - pc.begin) * p.part_dim * elem);
-      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(buffers + current * buffer_bytes));
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-                   "cp.async.bulk.commit_group;" ::"l"(dst), "r"(src), "r"(bytes) : "memory");
-      // The buffer the next chunk fills has been read out: with two buffers the copy before
-      // this one (at most one left in flight), with one buffer this one.
-      if (num_buffers > 1) {
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-      } else {
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      }
-    }
-    __syncthreads();
-    current = num_buffers > 1 ? current ^ 1 : 0;
-#endif
-  }
-  // Before the CTA exits: its shared memory must outlive the last bulk copy's reads.
-  __device__ __forceinline__ void drain() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-#endif
-  }
 };
 
 // CTA (x, y, z): chunk programs x * chunks_per_cta + j, column blocks y * warps + warp of plane z
@@ -213,49 +148,6 @@ packed_conv_kernel(const PackedConvParams p) {
   const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
   packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
                                                 blockIdx.z, plane_col_block, lane, ops);
-}
-
-// The block-store form: grid (cta_programs, 1, planes), one warp per column block of the plane
-// (part_dim / tile warps, at most kMaxBlockWarps). The staging areas come first in shared
-// memory, then the result buffers (16-byte aligned: staging is whole Float4 rows).
-template <typename Traits, bool kSilu, bool kHasBias>
-__global__ void __launch_bounds__(kMaxBlockWarps * 32, 1)
-packed_conv_block_kernel(const PackedConvParams p) {
-  extern __shared__ float4 staging_storage[];
-  const int warp = static_cast<int>(threadIdx.x / 32);
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  float* const staging = reinterpret_cast<float*>(staging_storage);
-  BlockOps ops;
-  ops.stage_area = staging + warp * staging_floats_per_warp(Traits::kTile);
-  ops.buffers = reinterpret_cast<char*>(staging + p.warps_per_cta * staging_floats_per_warp(Traits::kTile));
-  ops.buffer_bytes = p.block_buffer_bytes;
-  ops.num_buffers = p.block_buffers;
-  const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
-  const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
-  packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
-                                                blockIdx.z, warp, lane, ops);
-  ops.drain();
-}
-
-template <typename Traits, bool kSilu, bool kHasBias>
-void launch_block(const PackedConvParams& p, cudaStream_t stream, const char* function) {
-  const auto kernel = packed_conv_block_kernel<Traits, kSilu, kHasBias>;
-  const int64_t smem = launch_shared_bytes(p);
-  if (smem > 48 * 1024)
-    KDA_CUDA_CHECK(function, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>(p.cta_programs), 1u, static_cast<unsigned>(p.planes));
-  kernel<<<grid, dim3(static_cast<unsigned>(p.warps_per_cta * 32)), static_cast<std::size_t>(smem), stream>>>(p);
-}
-
-template <int kVec>
-void launch_block_for_flags(const PackedConvParams& p, cudaStream_t stream, const char* function) {
-  using Traits = PackedConvTraits<DType::BF16, kVec>;
-  const bool has_bias = p.bias != nullptr;
-  if (p.silu && has_bias) return launch_block<Traits, true, true>(p, stream, function);
-  if (p.silu) return launch_block<Traits, true, false>(p, stream, function);
-  if (has_bias) return launch_block<Traits, false, true>(p, stream, function);
-  return launch_block<Traits, false, false>(p, stream, function);
 }
 
 template <DType kDType, int kVec>
@@ -302,17 +194,6 @@ void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
   why = check_grid(p);
   if (!why.empty()) KDA_FAIL(function, why);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (p.block_store) {
-    // check_tuning admitted bf16 with vec 4 or 8 only.
-    if (p.x_dtype != DType::BF16) KDA_FAIL(function, "block stores have bf16 kernel instances only");
-    switch (p.vec) {
-      case 8: launch_block_for_flags<8>(p, s, function); break;
-      case 4: launch_block_for_flags<4>(p, s, function); break;
-      default: KDA_FAIL(function, "block stores have no kernel instance for vec ", p.vec, "; supported are 8, 4");
-    }
-    KDA_CUDA_CHECK(function, cudaGetLastError());
-    return;
-  }
   switch (p.x_dtype) {
     case DType::BF16: launch_for_vec<DType::BF16>(p, s, function); break;
     case DType::FP16: launch_for_vec<DType::FP16>(p, s, function); break;

@@ -13,9 +13,6 @@
 //   float silu(float acc)                  (device: silu_stock_fast; CPU: silu_host_approx)
 //   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
-//   char* chunk_out(char* out_row0, int64_t lane_col_bytes)   where a chunk's row 0 is stored
-//   void chunk_done(const PackedConvParams&, const ProgramChunk&, int64_t plane)
-//                                          after a chunk ran (block stores: its bulk copy out)
 //
 // A program is a (sequence, token chunk) of the program map (program_map.h) times a tile of
 // 32 * vec channels inside one output plane; one warp runs chunks_per_cta consecutive programs
@@ -498,9 +495,7 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
     }
   }
 
-  // Where row 0 of the chunk's results goes: out, or with block stores the lane's columns of
-  // the CTA's shared-memory block (rows out_row_bytes apart there too), which chunk_done writes.
-  char* store_ptr = ops.chunk_out(out_lane + pc.begin * out_row_bytes, plane_col * kElemBytes);
+  char* store_ptr = out_lane + pc.begin * out_row_bytes;
   // One row: the lane's kVec outputs from the row and the 3 history rows, then the history
   // shifts (register renaming once the loops are unrolled).
   const auto convolve_row = [&](const Row& cur, char* dst) {
@@ -573,9 +568,6 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, 
     }
     carried = packed_conv_chunk<Traits, kSilu, kHasBias>(p, pc, plane, plane_col_block, lane, taps,
                                                          taps_loaded, hist, carried, ops);
-    // Whether a chunk ran depends on the chunk and its sequence only, the same for every warp of
-    // the CTA, so with block stores every thread reaches chunk_done's barriers together.
-    if (carried) ops.chunk_done(p, pc, plane);
   }
 }
 

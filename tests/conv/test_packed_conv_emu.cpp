@@ -145,10 +145,6 @@ struct HostOps {
   }
   void syncwarp() const { warp->barrier.wait(); }
   float* stage() const { return reinterpret_cast<float*>(warp->stage_storage.data()); }
-  // Direct stores: a chunk's results go straight to out (block stores are a device path, run
-  // by the GPU tests against the stock baseline).
-  char* chunk_out(char* out_row0, int64_t) const { return out_row0; }
-  void chunk_done(const kda::conv::PackedConvParams&, const kda::conv::ProgramChunk&, int64_t) const {}
 };
 
 // Host buffers of one problem; the element type of x and out is stored as raw 16- or 32-bit
