@@ -9,6 +9,8 @@
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
 // L2 holds none of them). Every tuning's output and state are compared bitwise with the
 // default launch's. Exits 2 without a usable GPU, 1 on a mismatch or an error, else 0.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -647,6 +650,75 @@ void launch_band_bulk(const BufferSet& s, int64_t tokens) {
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
+// The band pattern with its results written by one TMA tensor store per CTA: the planes seen as
+// a 3D tensor (256 channels, part_dim / 256 halves of 512 bytes, 3 x tokens rows), the CTA's
+// kWarps x 128-channel band of kRows rows one box of (256, kWarps / 2, kRows), staged in shared
+// memory in the box's own layout. The question: does a strided 2D block written by the TMA
+// engine keep the gain of one contiguous bulk block, with the band's small CTAs?
+template <int kRows, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+band_tma_kernel(const char* x, const __grid_constant__ CUtensorMap out_map, int64_t tokens) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kCtaBand = kWarps * 256;  // bytes: 128 bf16 channels a warp
+  extern __shared__ __align__(128) char tile[];  // [kRows][kCtaBand]
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const char* src = x + (t0 * kRowStride + blockIdx.z * kPartDim) * 2 + blockIdx.y * kCtaBand + warp * 256 + lane * 8;
+  uint2 q[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const uint2*>(src + i * kRowStride * 2));
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) *reinterpret_cast<uint2*>(tile + i * kCtaBand + warp * 256 + lane * 8) = q[i];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const int c1 = static_cast<int>(blockIdx.y) * (kWarps / 2);
+  const int c2 = static_cast<int>(blockIdx.z * tokens + t0);
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+      "cp.async.bulk.commit_group;\n cp.async.bulk.wait_group.read 0;" ::"l"(&out_map),
+      "r"(0), "r"(c1), "r"(c2), "r"(smem_u32(tile)) : "memory");
+#endif
+}
+
+// The output planes as the 3D tensor of band_tma_kernel, boxes of (256, halves, rows).
+CUtensorMap plane_tensor_map(void* out, int64_t tokens, int halves, int rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    BENCH_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    if (fn == nullptr || q != cudaDriverEntryPointSuccess) throw std::runtime_error("no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map{};
+  const cuuint64_t dims[3] = {256, static_cast<cuuint64_t>(kPartDim / 256), static_cast<cuuint64_t>(3 * tokens)};
+  const cuuint64_t strides[2] = {512, static_cast<cuuint64_t>(kPlaneRowBytes)};
+  const cuuint32_t box[3] = {256, static_cast<cuuint32_t>(halves), static_cast<cuuint32_t>(rows)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: " + std::to_string(r));
+  return map;
+}
+
+template <int kRows, int kWarps>
+void launch_band_tma(const BufferSet& s, int64_t tokens) {
+  static_assert(kWarps % 2 == 0, "whole 256-channel halves");
+  constexpr int smem = kRows * kWarps * 256;
+  static bool configured = false;
+  if (!configured) {
+    BENCH_CUDA(cudaFuncSetAttribute(band_tma_kernel<kRows, kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  // One map per output buffer and shape, encoded once (host work stays out of the timing).
+  static std::map<std::pair<void*, int64_t>, CUtensorMap> maps;
+  auto it = maps.find({s.copy_dst, tokens});
+  if (it == maps.end()) it = maps.emplace(std::make_pair(s.copy_dst, tokens), plane_tensor_map(s.copy_dst, tokens, kWarps / 2, kRows)).first;
+  const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / (kWarps * 256)), 3);
+  band_tma_kernel<kRows, kWarps><<<grid, kWarps * 32, smem>>>(static_cast<const char*>(s.x), it->second, tokens);
+}
+
 // Bitwise check of a pattern copy (seed rows off) against the rows it copies: plane p of out
 // row r is x row r's columns p * part_dim ... (p + 1) * part_dim - 1; or, for a flat copy, out
 // is x's first tokens x dim elements.
@@ -810,11 +882,16 @@ void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
       [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 2, BS::kWarpRows>(s, t); },
       [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 2, BS::kCtaRows>(s, t); },
       [](BufferSet& s, int64_t t) { launch_band_bulk<16, 16, 2, BS::kWarpRows>(s, t); },
-      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 6, BS::kCtaBlock>(s, t); }};
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 16, 6, BS::kCtaBlock>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_tma<16, 4>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_tma<32, 4>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_tma<16, 2>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_tma<8, 12>(s, t); }};
   run_pattern_table(shapes, rng, reps,
                     "8B lanes x16, 4 warps, per-warp row stores | per-CTA row stores | 8B x16, 12 warps, one block "
                     "| 8B x8, 12 warps, one block | 16B x8, 2 warps, per-warp rows | per-CTA rows | 16B x16, 2 warps, "
-                    "per-warp rows | 16B x8, 6 warps, one block",
+                    "per-warp rows | 16B x8, 6 warps, one block | TMA box, 8B x16, 4 warps | TMA 8B x32, 4 warps "
+                    "| TMA 8B x16, 2 warps | TMA 8B x8, 12 warps",
                     band_bulk, band_bulk);
 }
 
