@@ -3,7 +3,7 @@
 // in_proj row stride 4864, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). One run shows
 // which (vec, chunk_len, warps_per_cta) to make the default.
 //
-//   bench_conv_tunings [--quick] [--patterns | --walks | --copies]
+//   bench_conv_tunings [--quick] [--patterns | --walks | --copies | --band-bulk]
 //
 // For each batch shape it prints the copy time, the default launch, the best tuning and every
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
@@ -635,14 +635,16 @@ __global__ void __launch_bounds__(kWarps * 32) band_bulk_kernel(const char* x, c
 #endif
 }
 
-template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope>
+// kAloneOnSm: the launch asks for as much shared memory as the block-store conv's CTA did
+// (141 KiB), so one CTA runs per SM: does the one-block write keep its gain at that occupancy?
+template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope, bool kAloneOnSm = false>
 void launch_band_bulk(const BufferSet& s, int64_t tokens) {
   constexpr int kCtaBand = kWarps * 32 * kLaneBytes;
-  const int smem = kRows * kCtaBand;
+  const int smem = kAloneOnSm ? 144000 : kRows * kCtaBand;
   static bool configured = false;
   if (!configured) {
     BENCH_CUDA(cudaFuncSetAttribute(band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, 144000));
     configured = true;
   }
   const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / kCtaBand), 3);
@@ -825,53 +827,55 @@ void run_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int re
 // --copies: the flat copy kernels and the row-block copies, by the SMs' loads and stores and
 // by bulk copies, against the driver's flat copy and the packed kernel's band pattern; every
 // variant is checked.
-void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
-  run_pattern_table(shapes, rng, reps,
-                    "flat 16B x4 | flat 16B x8 | flat 8B x8 | flat 16B x4, grid-stride | band 16 rows (the pattern) "
-                    "| plane rows 16B x8 | plane rows 16B x16 | plane rows 8B x16 | whole rows 16B x8 | whole rows 16B x16",
-                    {[](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 16, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 8, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, true>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 8, 1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 3>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 3>(s, t); }},
-                    {[](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 8, 1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 3>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 3>(s, t); }},
-                    {[](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 16, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_copy<8, 8, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, true>(s, t); }});
-  std::printf("\n(bulk copies through shared memory)\n");
-  run_pattern_table(shapes, rng, reps,
-                    "flat bulk 16 KB | flat bulk 32 KB | flat bulk 64 KB | plane rows bulk x8 | plane rows bulk x16 "
-                    "| whole rows bulk x8 | plane rows, register loads, bulk stores x8 | x16 | whole rows, register "
-                    "loads, bulk stores x8",
-                    {[](BufferSet& s, int64_t t) { launch_flat_bulk_copy<1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<2>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<4>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, true>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, true>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, true>(s, t); }},
-                    {[](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, false>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, true>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, true>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, true>(s, t); }},
-                    {[](BufferSet& s, int64_t t) { launch_flat_bulk_copy<1>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<2>(s, t); },
-                     [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<4>(s, t); }});
+void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps, bool band_bulk_only) {
+  if (!band_bulk_only) {
+    run_pattern_table(shapes, rng, reps,
+                      "flat 16B x4 | flat 16B x8 | flat 8B x8 | flat 16B x4, grid-stride | band 16 rows (the pattern) "
+                      "| plane rows 16B x8 | plane rows 16B x16 | plane rows 8B x16 | whole rows 16B x8 | whole rows 16B x16",
+                      {[](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_copy<8, 16, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_copy<8, 8, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, true>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 8, 1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 3>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 3>(s, t); }},
+                      {[](BufferSet& s, int64_t t) { launch_pattern<0, 8, true, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 8, 1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<8, 16, 3>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_copy<16, 16, 3>(s, t); }},
+                      {[](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_copy<8, 16, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_copy<8, 8, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_copy<4, 16, true>(s, t); }});
+    std::printf("\n(bulk copies through shared memory)\n");
+    run_pattern_table(shapes, rng, reps,
+                      "flat bulk 16 KB | flat bulk 32 KB | flat bulk 64 KB | plane rows bulk x8 | plane rows bulk x16 "
+                      "| whole rows bulk x8 | plane rows, register loads, bulk stores x8 | x16 | whole rows, register "
+                      "loads, bulk stores x8",
+                      {[](BufferSet& s, int64_t t) { launch_flat_bulk_copy<1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<2>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<4>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, true>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, true>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, true>(s, t); }},
+                      {[](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, false>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 1, true>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<16, 1, true>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_row_block_bulk<8, 3, true>(s, t); }},
+                      {[](BufferSet& s, int64_t t) { launch_flat_bulk_copy<1>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<2>(s, t); },
+                       [](BufferSet& s, int64_t t) { launch_flat_bulk_copy<4>(s, t); }});
+  }
   std::printf("\n(the band pattern's register loads, results written by bulk copies)\n");
   using BS = BulkScope;
   const std::vector<PatternLaunch> band_bulk = {
@@ -886,19 +890,21 @@ void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
       [](BufferSet& s, int64_t t) { launch_band_tma<16, 4>(s, t); },
       [](BufferSet& s, int64_t t) { launch_band_tma<32, 4>(s, t); },
       [](BufferSet& s, int64_t t) { launch_band_tma<16, 2>(s, t); },
-      [](BufferSet& s, int64_t t) { launch_band_tma<8, 12>(s, t); }};
+      [](BufferSet& s, int64_t t) { launch_band_tma<8, 12>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, true>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 8, 12, BS::kCtaBlock, true>(s, t); }};
   run_pattern_table(shapes, rng, reps,
                     "8B lanes x16, 4 warps, per-warp row stores | per-CTA row stores | 8B x16, 12 warps, one block "
                     "| 8B x8, 12 warps, one block | 16B x8, 2 warps, per-warp rows | per-CTA rows | 16B x16, 2 warps, "
                     "per-warp rows | 16B x8, 6 warps, one block | TMA box, 8B x16, 4 warps | TMA 8B x32, 4 warps "
-                    "| TMA 8B x16, 2 warps | TMA 8B x8, 12 warps",
+                    "| TMA 8B x16, 2 warps | TMA 8B x8, 12 warps | one block 8B x8, 12 warps, one CTA per SM | x16, one CTA per SM",
                     band_bulk, band_bulk);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, patterns = false, walks = false, copies = false;
+  bool quick = false, patterns = false, walks = false, copies = false, band_bulk_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -908,8 +914,10 @@ int main(int argc, char** argv) {
       walks = true;
     } else if (std::strcmp(argv[i], "--copies") == 0) {
       copies = true;
+    } else if (std::strcmp(argv[i], "--band-bulk") == 0) {  // the last table of --copies alone
+      copies = band_bulk_only = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks | --copies]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks | --copies | --band-bulk]\n", argv[0]);
       return 1;
     }
   }
@@ -933,7 +941,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (copies) {
-      run_copy_patterns(shapes, pattern_rng, quick ? 20 : 100);
+      run_copy_patterns(shapes, pattern_rng, quick ? 20 : 100, band_bulk_only);
       return 0;
     }
     // Around the default (vec 4, 16-token chunks): chunk programs per CTA and the CTA size;
