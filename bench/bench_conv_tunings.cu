@@ -498,6 +498,19 @@ __device__ __forceinline__ void bulk_store_drain() {
   asm volatile("cp.async.bulk.commit_group;\n cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
+// Each thread's kRows rows of x (kRowStride elements apart from src) into registers, every load
+// issued before any store, then into the shared tile at tile_lane + i * tile_pitch, made visible
+// to the bulk-copy engine (the async proxy). The register-load copies below stage through it.
+template <int kRows, typename V>
+__device__ __forceinline__ void rows_to_tile(const char* src, char* tile_lane, int tile_pitch) {
+  V q[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const V*>(src + i * kRowStride * 2));
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) *reinterpret_cast<V*>(tile_lane + i * tile_pitch) = q[i];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 constexpr int kBulkPiece = 16384;
 
 template <int kPieces>
@@ -549,13 +562,7 @@ row_block_bulk_kernel(const char* x, char* out, int64_t tokens) {
     const int p = static_cast<int>(threadIdx.x) / kThreadsPerPlane;
     const int col_byte = (static_cast<int>(threadIdx.x) % kThreadsPerPlane) * 16;
     const char* src = x + (t0 * kRowStride + (plane0 + p) * kPartDim) * 2 + col_byte;
-    uint4 q[kRows];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const uint4*>(src + i * kRowStride * 2));
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-      *reinterpret_cast<uint4*>(tile + (p * kRows + i) * kPlaneRowBytes + col_byte) = q[i];
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    rows_to_tile<kRows, uint4>(src, tile + p * kRows * kPlaneRowBytes + col_byte, kPlaneRowBytes);
     __syncthreads();
     if (threadIdx.x != 0) return;
   } else {
@@ -610,13 +617,7 @@ __global__ void __launch_bounds__(kWarps * 32) band_bulk_kernel(const char* x, c
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const char* src = x + (t0 * kRowStride + blockIdx.z * kPartDim) * 2 + band_byte + warp * kWarpBand + lane * kLaneBytes;
   char* dst = out + (blockIdx.z * tokens + t0) * kPlaneRowBytes + band_byte;
-  V q[kRows];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const V*>(src + i * kRowStride * 2));
-#pragma unroll
-  for (int i = 0; i < kRows; ++i)
-    *reinterpret_cast<V*>(tile + i * kCtaBand + warp * kWarpBand + lane * kLaneBytes) = q[i];
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  rows_to_tile<kRows, V>(src, tile + warp * kWarpBand + lane * kLaneBytes, kCtaBand);
   if constexpr (kScope == BulkScope::kWarpRows) {
     __syncwarp();
     if (lane != 0) return;
@@ -636,15 +637,18 @@ __global__ void __launch_bounds__(kWarps * 32) band_bulk_kernel(const char* x, c
 }
 
 // kAloneOnSm: the launch asks for as much shared memory as the block-store conv's CTA did
-// (141 KiB), so one CTA runs per SM: does the one-block write keep its gain at that occupancy?
+// (141 KiB: 12 warps' staging areas and two 48 KiB result buffers), so one CTA runs per SM: does
+// the one-block write keep its gain at that occupancy?
+constexpr int kBlockConvSharedBytes = 144000;
+
 template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope, bool kAloneOnSm = false>
 void launch_band_bulk(const BufferSet& s, int64_t tokens) {
   constexpr int kCtaBand = kWarps * 32 * kLaneBytes;
-  const int smem = kAloneOnSm ? 144000 : kRows * kCtaBand;
+  const int smem = kAloneOnSm ? kBlockConvSharedBytes : kRows * kCtaBand;
   static bool configured = false;
   if (!configured) {
     BENCH_CUDA(cudaFuncSetAttribute(band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, 144000));
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kBlockConvSharedBytes));
     configured = true;
   }
   const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / kCtaBand), 3);
@@ -666,12 +670,7 @@ band_tma_kernel(const char* x, const __grid_constant__ CUtensorMap out_map, int6
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
   const char* src = x + (t0 * kRowStride + blockIdx.z * kPartDim) * 2 + blockIdx.y * kCtaBand + warp * 256 + lane * 8;
-  uint2 q[kRows];
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const uint2*>(src + i * kRowStride * 2));
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) *reinterpret_cast<uint2*>(tile + i * kCtaBand + warp * 256 + lane * 8) = q[i];
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  rows_to_tile<kRows, uint2>(src, tile + warp * 256 + lane * 8, kCtaBand);
   __syncthreads();
   if (threadIdx.x != 0) return;
   const int c1 = static_cast<int>(blockIdx.y) * (kWarps / 2);
