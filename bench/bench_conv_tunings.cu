@@ -372,6 +372,17 @@ std::pair<double, double> flat_and_packed_us(Batch& b, int reps) {
   return {flat, packed};
 }
 
+// Lets kKernel launch with up to `bytes` of dynamic shared memory. The attribute is set by the
+// first call only: each launcher passes one constant per kernel instance.
+template <auto kKernel>
+void allow_dynamic_smem(int bytes) {
+  static const bool done = [bytes] {
+    BENCH_CUDA(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return true;
+  }();
+  (void)done;
+}
+
 // The same copy through a ring of shared-memory stages filled by bulk copies (cp.async.bulk, one
 // per row, completing on the stage's mbarrier): one producer warp keeps up to kStages stages of
 // kStageRows rows in flight while 4 consumer warps read their 8 bytes per lane of each row from
@@ -461,12 +472,7 @@ ring_copy_kernel(const char* x, char* out, int64_t tokens, int rows_per_cta) {
 template <int kStages, int kStageRows, int kSeeds>
 void launch_ring(const BufferSet& s, int64_t tokens, int rows_per_cta) {
   const int smem = kStages * kStageRows * kRingRowBytes;
-  static bool configured = false;
-  if (!configured) {
-    BENCH_CUDA(cudaFuncSetAttribute(ring_copy_kernel<kStages, kStageRows, kSeeds>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
-  }
+  allow_dynamic_smem<ring_copy_kernel<kStages, kStageRows, kSeeds>>(smem);
   const dim3 grid(static_cast<unsigned>(tokens / rows_per_cta), static_cast<unsigned>(kPartDim * 2 / kRingRowBytes), 3);
   ring_copy_kernel<kStages, kStageRows, kSeeds><<<grid, 32 * (kRingConsumers + 1), smem>>>(
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens, rows_per_cta);
@@ -537,11 +543,7 @@ template <int kPieces>
 void launch_flat_bulk_copy(const BufferSet& s, int64_t tokens) {
   const int64_t bytes = tokens * kDim * 2;
   const int smem = kPieces * kBulkPiece;
-  static bool configured = false;
-  if (!configured) {
-    BENCH_CUDA(cudaFuncSetAttribute(flat_bulk_copy_kernel<kPieces>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
-  }
+  allow_dynamic_smem<flat_bulk_copy_kernel<kPieces>>(smem);
   const int64_t per_cta = static_cast<int64_t>(kPieces) * kBulkPiece;
   flat_bulk_copy_kernel<kPieces><<<static_cast<unsigned>((bytes + per_cta - 1) / per_cta), 32, smem>>>(
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), bytes);
@@ -587,12 +589,7 @@ row_block_bulk_kernel(const char* x, char* out, int64_t tokens) {
 template <int kRows, int kPlanes, bool kRegLoads>
 void launch_row_block_bulk(const BufferSet& s, int64_t tokens) {
   const int smem = kPlanes * kRows * kPlaneRowBytes;
-  static bool configured = false;
-  if (!configured) {
-    BENCH_CUDA(cudaFuncSetAttribute(row_block_bulk_kernel<kRows, kPlanes, kRegLoads>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
-  }
+  allow_dynamic_smem<row_block_bulk_kernel<kRows, kPlanes, kRegLoads>>(smem);
   const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(3 / kPlanes));
   row_block_bulk_kernel<kRows, kPlanes, kRegLoads><<<grid, kRegLoads ? kPlanes * kPlaneRowBytes / 16 : 32, smem>>>(
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
@@ -645,12 +642,8 @@ template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope, bool kAloneOn
 void launch_band_bulk(const BufferSet& s, int64_t tokens) {
   constexpr int kCtaBand = kWarps * 32 * kLaneBytes;
   const int smem = kAloneOnSm ? kBlockConvSharedBytes : kRows * kCtaBand;
-  static bool configured = false;
-  if (!configured) {
-    BENCH_CUDA(cudaFuncSetAttribute(band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kBlockConvSharedBytes));
-    configured = true;
-  }
+  // The most either launch of this kernel asks for (its kAloneOnSm and plain launchers share it).
+  allow_dynamic_smem<band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>>(kBlockConvSharedBytes);
   const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / kCtaBand), 3);
   band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope><<<grid, kWarps * 32, smem>>>(
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
@@ -707,11 +700,7 @@ template <int kRows, int kWarps>
 void launch_band_tma(const BufferSet& s, int64_t tokens) {
   static_assert(kWarps % 2 == 0, "whole 256-channel halves");
   constexpr int smem = kRows * kWarps * 256;
-  static bool configured = false;
-  if (!configured) {
-    BENCH_CUDA(cudaFuncSetAttribute(band_tma_kernel<kRows, kWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
-  }
+  allow_dynamic_smem<band_tma_kernel<kRows, kWarps>>(smem);
   // One map per output buffer and shape, encoded once (host work stays out of the timing).
   static std::map<std::pair<void*, int64_t>, CUtensorMap> maps;
   auto it = maps.find({s.copy_dst, tokens});
