@@ -3,7 +3,7 @@
 // in_proj row stride 4864, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). One run shows
 // which (vec, chunk_len, warps_per_cta) to make the default.
 //
-//   bench_conv_tunings [--quick] [--patterns | --walks | --copies | --band-bulk]
+//   bench_conv_tunings [--quick] [--patterns | --walks | --copies | --band-bulk | --block-walks]
 //
 // For each batch shape it prints the copy time, the default launch, the best tuning and every
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that
@@ -383,6 +383,34 @@ void allow_dynamic_smem(int bytes) {
   (void)done;
 }
 
+// The most dynamic shared memory one CTA may ask for on the H200 (227 KiB).
+constexpr int kMaxSmemPerCta = 227 * 1024;
+
+// The dynamic shared memory per CTA that lets at most `ctas` CTAs of `kernel` share an SM, at
+// least `need` bytes (the most shared memory an SM gives minus the per-CTA reservation, split
+// `ctas` ways). 0 when `ctas` is 0: the kernel's own need, its natural occupancy.
+int smem_for_ctas_per_sm(int ctas, int need) {
+  if (ctas == 0) return need;
+  static const std::pair<int, int> sm = [] {
+    int per_sm = 0, reserved = 0;
+    BENCH_CUDA(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    BENCH_CUDA(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, 0));
+    return std::make_pair(per_sm, reserved);
+  }();
+  // More than what n + 1 CTAs could each get, so at most n fit; no more than what n can each get.
+  const int bytes = (sm.first / ctas - sm.second) / 128 * 128;
+  return std::max(bytes, need);
+}
+
+// CTAs of `kernel` per SM at `threads` threads and `smem` bytes, by the occupancy calculator,
+// printed with the table so that each column's occupancy is a measured fact, not an intent.
+template <typename Kernel>
+int resident_ctas(Kernel kernel, int threads, int smem) {
+  int n = 0;
+  BENCH_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  return n;
+}
+
 // The same copy through a ring of shared-memory stages filled by bulk copies (cp.async.bulk, one
 // per row, completing on the stage's mbarrier): one producer warp keeps up to kStages stages of
 // kStageRows rows in flight while 4 consumer warps read their 8 bytes per lane of each row from
@@ -633,20 +661,97 @@ __global__ void __launch_bounds__(kWarps * 32) band_bulk_kernel(const char* x, c
 #endif
 }
 
-// kAloneOnSm: the launch asks for as much shared memory as the block-store conv's CTA did
-// (141 KiB: 12 warps' staging areas and two 48 KiB result buffers), so one CTA runs per SM: does
-// the one-block write keep its gain at that occupancy?
-constexpr int kBlockConvSharedBytes = 144000;
-
-template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope, bool kAloneOnSm = false>
+// kCtasPerSm: the launch asks for enough shared memory that at most that many CTAs share an SM
+// (0: the tile's own need). 1 is what the block-store conv's 141 KiB gave it (12 warps' staging
+// areas and two 48 KiB result buffers): does the one-block write keep its gain at that occupancy?
+template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope, int kCtasPerSm = 0>
 void launch_band_bulk(const BufferSet& s, int64_t tokens) {
   constexpr int kCtaBand = kWarps * 32 * kLaneBytes;
-  const int smem = kAloneOnSm ? kBlockConvSharedBytes : kRows * kCtaBand;
-  // The most either launch of this kernel asks for (its kAloneOnSm and plain launchers share it).
-  allow_dynamic_smem<band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>>(kBlockConvSharedBytes);
+  const int smem = smem_for_ctas_per_sm(kCtasPerSm, kRows * kCtaBand);
+  // The most any launch of this kernel asks for (the launchers of every kCtasPerSm share it).
+  allow_dynamic_smem<band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>>(kMaxSmemPerCta);
+  static const bool shown = [smem] {
+    if (kCtasPerSm != 0)
+      std::fprintf(stderr, "one block %d rows, %d B shared: %d CTAs per SM\n", kRows, smem,
+                   resident_ctas(band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>, kWarps * 32, smem));
+    return true;
+  }();
+  (void)shown;
   const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / kCtaBand), 3);
   band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope><<<grid, kWarps * 32, smem>>>(
       static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+}
+
+// --block-walks: does the one-block write keep its gain with the occupancy and the walk a conv
+// of whole-plane-row CTAs could have? A conv CTA holding taps, history and a row queue for 12
+// warps gets 2 or 3 CTAs per SM, not the 5 of the copy that gained (session 10), and it walks
+// several consecutive chunks, carrying its history. So: the one-shot block copy held to n CTAs
+// per SM by its shared-memory request, and block walks. A walk CTA moves kChunks consecutive
+// chunks of kRows rows of one plane (12 warps, 8-byte lanes: the whole 3 KB plane row), each
+// chunk through one of two shared-memory buffers and out by one bulk copy. One barrier per
+// chunk: thread 0 waits until the previous chunk's bulk copy has read its buffer before the
+// barrier, so after it the other buffer (that copy's) is free for the next chunk. kPipelined:
+// the next chunk's loads are issued before this chunk's rows go into the buffer (two register
+// sets, as a conv would need to overlap its loads with its arithmetic).
+constexpr int kBlockWarps = kPlaneRowBytes / 256;  // 12 warps of 8-byte lanes span a plane row
+
+template <int kRows, int kChunks, bool kPipelined>
+__global__ void __launch_bounds__(kBlockWarps * 32) block_walk_kernel(const char* x, char* out, int64_t tokens) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) char tile[];  // [2][kRows][kPlaneRowBytes]
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows * kChunks;
+  const char* src = x + (t0 * kRowStride + blockIdx.y * kPartDim) * 2 + threadIdx.x * 8;
+  char* dst = out + (blockIdx.y * tokens + t0) * kPlaneRowBytes;
+  constexpr int64_t kChunkIn = kRows * kRowStride * 2, kChunkOut = kRows * kPlaneRowBytes;
+  uint2 q[kRows], next[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const uint2*>(src + i * kRowStride * 2));
+  for (int j = 0; j < kChunks; ++j) {
+    if constexpr (kPipelined) {
+      if (j + 1 < kChunks) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+          next[i] = __ldg(reinterpret_cast<const uint2*>(src + (j + 1) * kChunkIn + i * kRowStride * 2));
+      }
+    }
+    char* buf = tile + (j & 1) * kChunkOut;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) *reinterpret_cast<uint2*>(buf + i * kPlaneRowBytes + threadIdx.x * 8) = q[i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      bulk_store(dst + j * kChunkOut, buf, kChunkOut);
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    if (j + 1 < kChunks) {
+      if constexpr (kPipelined) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) q[i] = next[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i)
+          q[i] = __ldg(reinterpret_cast<const uint2*>(src + (j + 1) * kChunkIn + i * kRowStride * 2));
+      }
+    }
+  }
+  if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+
+template <int kRows, int kChunks, bool kPipelined>
+void launch_block_walk(const BufferSet& s, int64_t tokens, int ctas_per_sm) {
+  const auto kernel = block_walk_kernel<kRows, kChunks, kPipelined>;
+  const int smem = smem_for_ctas_per_sm(ctas_per_sm, 2 * kRows * kPlaneRowBytes);
+  allow_dynamic_smem<block_walk_kernel<kRows, kChunks, kPipelined>>(kMaxSmemPerCta);
+  static bool shown[8] = {};
+  if (!shown[ctas_per_sm & 7]) {
+    shown[ctas_per_sm & 7] = true;
+    std::fprintf(stderr, "block walk %d rows x %d chunks%s, %d B shared: %d CTAs per SM\n", kRows, kChunks,
+                 kPipelined ? " pipelined" : "", smem, resident_ctas(kernel, kBlockWarps * 32, smem));
+  }
+  const dim3 grid(static_cast<unsigned>(tokens / (kRows * kChunks)), 3);
+  kernel<<<grid, kBlockWarps * 32, smem>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
 // The band pattern with its results written by one TMA tensor store per CTA: the planes seen as
@@ -879,8 +984,8 @@ void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
       [](BufferSet& s, int64_t t) { launch_band_tma<32, 4>(s, t); },
       [](BufferSet& s, int64_t t) { launch_band_tma<16, 2>(s, t); },
       [](BufferSet& s, int64_t t) { launch_band_tma<8, 12>(s, t); },
-      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, true>(s, t); },
-      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 8, 12, BS::kCtaBlock, true>(s, t); }};
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, 1>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<16, 8, 12, BS::kCtaBlock, 1>(s, t); }};
   run_pattern_table(shapes, rng, reps,
                     "8B lanes x16, 4 warps, per-warp row stores | per-CTA row stores | 8B x16, 12 warps, one block "
                     "| 8B x8, 12 warps, one block | 16B x8, 2 warps, per-warp rows | per-CTA rows | 16B x16, 2 warps, "
@@ -889,10 +994,36 @@ void run_copy_patterns(const std::vector<Shape>& shapes, std::mt19937_64& rng, i
                     band_bulk, band_bulk);
 }
 
+// --block-walks: the one-block copy at forced occupancy, and block walks (block_walk_kernel).
+void run_block_walks(const std::vector<Shape>& shapes, std::mt19937_64& rng, int reps) {
+  using BS = BulkScope;
+  const std::vector<PatternLaunch> variants = {
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, 1>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, 2>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, 3>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_band_bulk<8, 8, 12, BS::kCtaBlock, 4>(s, t); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 4, false>(s, t, 0); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 2, false>(s, t, 2); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 4, false>(s, t, 2); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 8, false>(s, t, 2); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 2, false>(s, t, 3); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 4, false>(s, t, 3); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 4, true>(s, t, 2); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<8, 4, true>(s, t, 3); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<16, 4, false>(s, t, 0); },
+      [](BufferSet& s, int64_t t) { launch_block_walk<16, 2, true>(s, t, 0); }};
+  run_pattern_table(shapes, rng, reps,
+                    "one block 8 rows | at 1 CTA per SM | 2 | 3 | 4 | walk 8 rows x 4, natural | 8 x 2, 2 per SM "
+                    "| 8 x 4, 2 per SM | 8 x 8, 2 per SM | 8 x 2, 3 per SM | 8 x 4, 3 per SM | pipelined 8 x 4, 2 per SM "
+                    "| pipelined 8 x 4, 3 per SM | walk 16 rows x 4, natural | pipelined 16 x 2, natural",
+                    variants, variants);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, patterns = false, walks = false, copies = false, band_bulk_only = false;
+  bool quick = false, patterns = false, walks = false, copies = false, band_bulk_only = false, block_walks = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -904,8 +1035,10 @@ int main(int argc, char** argv) {
       copies = true;
     } else if (std::strcmp(argv[i], "--band-bulk") == 0) {  // the last table of --copies alone
       copies = band_bulk_only = true;
+    } else if (std::strcmp(argv[i], "--block-walks") == 0) {
+      block_walks = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks | --copies | --band-bulk]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--patterns | --walks | --copies | --band-bulk | --block-walks]\n", argv[0]);
       return 1;
     }
   }
@@ -926,6 +1059,10 @@ int main(int argc, char** argv) {
     }
     if (walks) {  // the walk table of --patterns alone
       run_walk_patterns(shapes, pattern_rng, quick ? 20 : 100);
+      return 0;
+    }
+    if (block_walks) {
+      run_block_walks(shapes, pattern_rng, quick ? 20 : 100);
       return 0;
     }
     if (copies) {
