@@ -30,65 +30,28 @@ constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 // reads them again; our reading is that L2 then keeps more of the row stream (the seed rows
 // that neighbouring programs re-read). Side by side with plain stores 0-0.7% faster at every
 // benchmark shape (docs/perf-notes.md, session 8).
-//
-// The x rows are loaded L1::evict_first (every instance): a row is read once, or again as a
-// seed row by the neighbouring program, which mostly runs on another SM. Side by side with plain
-// read-only loads 1.3-3.7% faster from 2048 to 16384 tokens, the same at 16384 x 256 (H200,
-// docs/perf-notes.md, session 11). kXHint (ConvTuning::x_load_hint, an experiment with
-// instances for bf16 / vec 4 / SiLU / no bias only) selects the plain loads of the kernel before
-// that change, or L1 and L2 evict_first.
-template <int kXHint = kXLoadL1EvictFirst>
 struct DeviceOps {
   float* stage_area;
-
-  uint64_t x_policy = 0;  // kXLoadL1L2EvictFirst: the L2 cache policy of the x loads
-
-  // One read-only load of x with the instance's cache hints. V: unsigned short, unsigned int,
-  // uint2 or uint4.
-  template <typename V>
-  __device__ __forceinline__ V ld_x(const char* ptr) const {
-    V v;
-    if constexpr (kXHint == kXLoadPlain) {
-      v = __ldg(reinterpret_cast<const V*>(ptr));
-    } else if constexpr (kXHint == kXLoadL1EvictFirst) {
-      if constexpr (sizeof(V) == 16) {
-        asm("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
-            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-      } else if constexpr (sizeof(V) == 8) {
-        asm("ld.global.nc.L1::evict_first.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
-      } else if constexpr (sizeof(V) == 4) {
-        asm("ld.global.nc.L1::evict_first.u32 %0, [%1];" : "=r"(v) : "l"(ptr));
-      } else {
-        asm("ld.global.nc.L1::evict_first.u16 %0, [%1];" : "=h"(v) : "l"(ptr));
-      }
-    } else {
-      static_assert(kXHint == kXLoadL1L2EvictFirst, "x load hint");
-      static_assert(sizeof(V) == 8, "the L2 experiment has the 8-byte instance only");
-      asm("ld.global.nc.L1::evict_first.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
-          : "=r"(v.x), "=r"(v.y) : "l"(ptr), "l"(x_policy));
-    }
-    return v;
-  }
 
   template <int kBytes>
   __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
     RowOf<kBytes> r;
     if constexpr (kBytes == 32) {
-      const uint4 a = ld_x<uint4>(ptr);
-      const uint4 b = ld_x<uint4>(ptr + 16);
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(ptr) + 1);
       r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
       r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
     } else if constexpr (kBytes == 16) {
-      const uint4 a = ld_x<uint4>(ptr);
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
       r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
     } else if constexpr (kBytes == 8) {
-      const uint2 a = ld_x<uint2>(ptr);
+      const uint2 a = __ldg(reinterpret_cast<const uint2*>(ptr));
       r.w[0] = a.x; r.w[1] = a.y;
     } else if constexpr (kBytes == 4) {
-      r.w[0] = ld_x<unsigned int>(ptr);
+      r.w[0] = __ldg(reinterpret_cast<const unsigned int*>(ptr));
     } else {
       static_assert(kBytes == 2, "row bytes");
-      r.w[0] = ld_x<unsigned short>(ptr);
+      r.w[0] = __ldg(reinterpret_cast<const unsigned short*>(ptr));
     }
     return r;
   }
@@ -171,7 +134,7 @@ struct DeviceOps {
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
-template <typename Traits, bool kSilu, bool kHasBias, int kXHint = kXLoadL1EvictFirst>
+template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
@@ -179,9 +142,8 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  DeviceOps<kXHint> ops{reinterpret_cast<float*>(staging_storage) + warp * staging_floats_per_warp(Traits::kTile)};
-  if constexpr (kXHint == kXLoadL1L2EvictFirst)
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(ops.x_policy));
+  DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
+                warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
   packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
@@ -197,18 +159,6 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if constexpr (kDType == DType::BF16 && kVec == 4) {
-    // check_tuning admits the other x load hints for this instance with SiLU and no bias only
-    // (the benchmark's).
-    if (p.x_load_hint != kXLoadL1EvictFirst && p.silu && !has_bias) {
-      if (p.x_load_hint == kXLoadPlain) {
-        packed_conv_kernel<Traits, true, false, kXLoadPlain><<<grid, block, staging_bytes, stream>>>(p);
-      } else {
-        packed_conv_kernel<Traits, true, false, kXLoadL1L2EvictFirst><<<grid, block, staging_bytes, stream>>>(p);
-      }
-      return;
-    }
-  }
   if (p.silu && has_bias) {
     packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
   } else if (p.silu) {
