@@ -1,10 +1,7 @@
 // Benchmark of the packed Q|K|V conv against the stock-path baseline and a device copy of
 // the same bytes, at the KDA seed scale (part_dim 1536 x 3, in_proj row stride 4864).
 //
-//   bench_conv [--quick] [--case TOKENSxSEQS] [--x-load-hint N] [--out FILE]
-//
-// --x-load-hint N: the packed kernel with ConvTuning::x_load_hint N instead of the default
-// launch (bf16 vec 4 instances; for A/B runs of that experiment, docs/perf-notes.md session 11).
+//   bench_conv [--quick] [--out FILE]
 //
 // Prints a markdown table (and writes it to FILE with --out). Exits 2 without a usable GPU,
 // 1 when the packed and stock outputs differ on the benchmarked data or on an error, else 0
@@ -15,7 +12,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -23,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "conv/conv_params.h"
 #include "conv/stock_conv.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -189,8 +184,7 @@ struct Row {
   uint64_t out_diff_bits = 0, state_diff_bits = 0;
 };
 
-Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, const kda::conv::ConvTuning& tuning,
-             cudaStream_t stream) {
+Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t stream) {
   Row row;
   row.c = c;
   const int64_t lines = c.seqs + 1;  // line 0 is the null line, sequence s uses line s + 1
@@ -262,7 +256,7 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, const kda::c
     BENCH_CUDA(cudaMemcpy(sets[1].states.get(), pristine_states.get(), pristine_states.bytes(), cudaMemcpyDeviceToDevice));
     BENCH_CUDA(cudaMemcpy(sets[0].states.get(), pristine_states.get(), pristine_states.bytes(), cudaMemcpyDeviceToDevice));
     BENCH_CUDA(cudaDeviceSynchronize());  // device-to-device copies do not block the host
-    kda::conv::launch_packed_conv(args[0], tuning, stream);
+    kda::packed_causal_conv1d(args[0], stream);
     kda::baseline::stock_causal_conv1d(args_for(sets[0], sets[1]), workspace.get(), ws_bytes, stream);
     BENCH_CUDA(cudaStreamSynchronize(stream));
     row.out_diff_bits = diff_bits(sets[0].out.get(), sets[1].out.get(), sets[0].out.bytes());
@@ -273,7 +267,7 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, const kda::c
   const int iters = quick ? 15 : (c.tokens >= 65536 ? 60 : 200);
   EventTimer timer(iters);
   row.packed_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
-    kda::conv::launch_packed_conv(args[static_cast<std::size_t>(i)], tuning, stream);
+    kda::packed_causal_conv1d(args[static_cast<std::size_t>(i)], stream);
   });
   row.stock_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
     kda::baseline::stock_causal_conv1d(args[static_cast<std::size_t>(i)], workspace.get(), ws_bytes, stream);
@@ -297,10 +291,9 @@ std::string verdict(double value, double target, bool at_most) {
   return (at_most ? value <= target : value >= target) ? "pass" : "MISS";
 }
 
-std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool quick, int x_load_hint) {
+std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool quick) {
   std::ostringstream os;
-  os << "## bench_conv: packed Q|K|V conv vs the stock path on " << prop.name << (quick ? " (--quick)" : "")
-     << (x_load_hint != 0 ? " (packed: x_load_hint " + std::to_string(x_load_hint) + ")" : "") << "\n\n"
+  os << "## bench_conv: packed Q|K|V conv vs the stock path on " << prop.name << (quick ? " (--quick)" : "") << "\n\n"
      << "part_dim " << kPartDim << " x " << kParts << " parts, x bf16 with row stride " << kRowStride
      << ", fp32 weights and conv state ((lines, dim, 3) view of a (lines, 3, dim) pool), no bias, SiLU; "
      << "sequences of equal length, all with an initial state. Times are medians over launches timed with CUDA "
@@ -328,7 +321,7 @@ std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool
 }
 
 int usage(const char* argv0) {
-  std::fprintf(stderr, "usage: %s [--quick] [--case TOKENSxSEQS] [--x-load-hint N] [--out FILE]\n", argv0);
+  std::fprintf(stderr, "usage: %s [--quick] [--case TOKENSxSEQS] [--out FILE]\n", argv0);
   return 1;
 }
 
@@ -338,15 +331,12 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::string out_path;
   long long only_tokens = 0, only_seqs = 0;  // --case: run only this shape (for a profiler)
-  kda::conv::ConvTuning tuning;              // the default launch unless --x-load-hint
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) {
       if (std::sscanf(argv[++i], "%lldx%lld", &only_tokens, &only_seqs) != 2 || only_tokens < 1 || only_seqs < 1)
         return usage(argv[0]);
-    } else if (std::strcmp(argv[i], "--x-load-hint") == 0 && i + 1 < argc) {
-      tuning.x_load_hint = std::atoi(argv[++i]);
     } else if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
       out_path = argv[++i];
     } else {
@@ -379,13 +369,13 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     bool bits_ok = true;
     for (const Case& c : cases) {
-      rows.push_back(run_case(c, prop, quick, tuning, stream));
+      rows.push_back(run_case(c, prop, quick, stream));
       bits_ok = bits_ok && rows.back().out_diff_bits == 0 && rows.back().state_diff_bits == 0;
       std::fprintf(stderr, "bench_conv: %lld x %lld done\n", static_cast<long long>(c.tokens),
                    static_cast<long long>(c.seqs));
     }
     BENCH_CUDA(cudaStreamDestroy(stream));
-    const std::string t = table(rows, prop, quick, tuning.x_load_hint);
+    const std::string t = table(rows, prop, quick);
     std::fputs(t.c_str(), stdout);
     if (!out_path.empty()) {
       std::ofstream f(out_path);

@@ -1078,13 +1078,6 @@ int main(int argc, char** argv) {
       for (int warps : {1, 2, 4, 8}) tunings.push_back({4, 16, warps, per_cta});
     for (int per_cta : {2, 4, 8}) tunings.push_back({8, 8, 4, per_cta});
     for (int per_cta : {1, 2, 4}) tunings.push_back({2, 16, 4, per_cta});
-    // Session 11: the x rows' cache hints (kXLoadPlain: the loads before; kXLoadAllEvictFirst:
-    // the seed rows evict_first too) at the default shapes, next to the default's.
-    for (int hint : {kda::conv::kXLoadPlain, kda::conv::kXLoadAllEvictFirst}) {
-      tunings.push_back({4, 16, 4, 2, hint});
-      tunings.push_back({4, 16, 2, 1, hint});
-      tunings.push_back({4, 16, 4, 1, hint});
-    }
     std::mt19937_64 rng(42);
     bool mismatch = false;
     std::printf("| tokens x seqs | copy us | default (vec/chunk/warps/per_cta) us | x copy | best us | x copy | best tuning |\n");
@@ -1119,18 +1112,17 @@ int main(int argc, char** argv) {
           best_t = t;
         }
         std::snprintf(line, sizeof line,
-                      "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d x hint %d: %8.2f us (%.3f x copy)%s\n",
+                      "  %lld x %lld  vec %d chunk %3d warps %d per_cta %2d: %8.2f us (%.3f x copy)%s\n",
                       static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs),
-                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, t.x_load_hint, us, us / copy,
+                      t.vec, t.chunk_len, t.warps_per_cta, t.chunks_per_cta, us, us / copy,
                       same ? "" : "  OUTPUT DIFFERS FROM THE DEFAULT LAUNCH");
         details += line;
         std::fputs(line, stderr);  // as it is measured, in case the run is cut short
       }
-      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d x hint %d |\n",
+      std::printf("| %lld x %lld | %.1f | %.1f (%d/%d/%d/%d) | %.3f | %.1f | %.3f | vec %d chunk %d warps %d per_cta %d |\n",
                   static_cast<long long>(shape.tokens), static_cast<long long>(shape.seqs), copy,
                   def_us, def.vec, 1 << def.chunk_shift, def.warps_per_cta, def.chunks_per_cta, def_us / copy,
-                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta,
-                  best_t.x_load_hint);
+                  best, best / copy, best_t.vec, best_t.chunk_len, best_t.warps_per_cta, best_t.chunks_per_cta);
       std::fflush(stdout);
     }
     std::printf("\nAll tunings:\n%s", details.c_str());

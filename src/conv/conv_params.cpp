@@ -83,12 +83,6 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     if (w != 1 && w != 2 && w != 4 && w != 8)
       return detail::str_cat("warps_per_cta ", w, " is not one of 1, 2, 4, 8 (or 0 for the default)");
   }
-  const int hint = tuning.x_load_hint;
-  if (hint != kXLoadQueueEvictFirst && hint != kXLoadPlain && hint != kXLoadAllEvictFirst)
-    return detail::str_cat("x_load_hint ", hint, " is not one of 0, 1, 2");
-  if (hint != kXLoadQueueEvictFirst && (args.x_dtype != DType::BF16 || !args.silu || args.bias != nullptr ||
-                                     (tuning.vec != 0 ? tuning.vec : default_vec(args)) != 4))
-    return detail::str_cat("x_load_hint ", hint, " has kernel instances for bf16, vec 4, SiLU and no bias only");
   if (tuning.chunks_per_cta != 0) {
     const int k = tuning.chunks_per_cta;
     if (k != 1 && k != 2 && k != 4 && k != 8 && k != 16)
@@ -167,7 +161,6 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.chunks_per_cta = tuning.chunks_per_cta != 0 ? tuning.chunks_per_cta
                                                : default_chunks_per_cta(args.num_tokens);
   p.cta_programs = (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta;
-  p.x_load_hint = tuning.x_load_hint;
   p.num_ctas = p.cta_programs * p.col_groups_per_plane * p.planes;
   return p;
 }

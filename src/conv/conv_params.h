@@ -15,15 +15,7 @@ struct ConvTuning {
   int chunk_len = 0;      // tokens per program: 8, 16, 32, 64, 128 or 256
   int warps_per_cta = 0;  // 1, 2, 4 or 8; each warp is one column block
   int chunks_per_cta = 0; // 1, 2, 4, 8 or 16 consecutive chunk programs per CTA
-  // The x rows' cache hints (kXLoad*), an experiment swept side by side with the default by
-  // bench_conv_tunings. The others than the default are separate kernel instances for bf16,
-  // vec 4, SiLU and no bias only, so that the default instances carry no branch for them.
-  int x_load_hint = 0;
 };
-
-constexpr int kXLoadQueueEvictFirst = 0;  // the default: queue rows L1::evict_first, seed rows plain
-constexpr int kXLoadPlain = 1;            // every row ld.global.nc, the kernel before session 11
-constexpr int kXLoadAllEvictFirst = 2;    // every row L1::evict_first
 
 // Everything the kernel reads, from PackedConvArgs plus the launch shape. Element strides.
 struct PackedConvParams {
@@ -77,7 +69,6 @@ struct PackedConvParams {
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
   int64_t num_ctas = 0;              // the product of the grid's three extents
-  int x_load_hint = 0;               // ConvTuning::x_load_hint
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),

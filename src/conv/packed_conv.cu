@@ -30,67 +30,30 @@ constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 // reads them again; our reading is that L2 then keeps more of the row stream (the seed rows
 // that neighbouring programs re-read). Side by side with plain stores 0-0.7% faster at every
 // benchmark shape (docs/perf-notes.md, session 8).
-//
-// Session 11 experiment (ConvTuning::x_load_hint, docs/perf-notes.md): the queue rows (a row is
-// read once, by this warp) loaded L1::evict_first in every instance, the seed rows (which the
-// neighbouring program also reads) with plain read-only loads. kXHint selects, for bf16 / vec 4 /
-// SiLU / no bias, the plain loads of the kernel before (kXLoadPlain) or evict_first for the seed
-// rows too (kXLoadAllEvictFirst).
-template <int kXHint = kXLoadQueueEvictFirst>
 struct DeviceOps {
   float* stage_area;
 
-  // One read-only load of x, L1::evict_first or plain. V: unsigned short, unsigned int, uint2
-  // or uint4.
-  template <bool kEvictFirst, typename V>
-  __device__ __forceinline__ static V ld_x(const char* ptr) {
-    V v;
-    if constexpr (!kEvictFirst) {
-      v = __ldg(reinterpret_cast<const V*>(ptr));
-    } else if constexpr (sizeof(V) == 16) {
-      asm("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
-          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
-    } else if constexpr (sizeof(V) == 8) {
-      asm("ld.global.nc.L1::evict_first.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
-    } else if constexpr (sizeof(V) == 4) {
-      asm("ld.global.nc.L1::evict_first.u32 %0, [%1];" : "=r"(v) : "l"(ptr));
-    } else {
-      asm("ld.global.nc.L1::evict_first.u16 %0, [%1];" : "=h"(v) : "l"(ptr));
-    }
-    return v;
-  }
-
-  template <int kBytes, bool kEvictFirst>
-  __device__ __forceinline__ static RowOf<kBytes> load_row(const char* ptr) {
+  template <int kBytes>
+  __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
     RowOf<kBytes> r;
     if constexpr (kBytes == 32) {
-      const uint4 a = ld_x<kEvictFirst, uint4>(ptr);
-      const uint4 b = ld_x<kEvictFirst, uint4>(ptr + 16);
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(ptr) + 1);
       r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
       r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
     } else if constexpr (kBytes == 16) {
-      const uint4 a = ld_x<kEvictFirst, uint4>(ptr);
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
       r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
     } else if constexpr (kBytes == 8) {
-      const uint2 a = ld_x<kEvictFirst, uint2>(ptr);
+      const uint2 a = __ldg(reinterpret_cast<const uint2*>(ptr));
       r.w[0] = a.x; r.w[1] = a.y;
     } else if constexpr (kBytes == 4) {
-      r.w[0] = ld_x<kEvictFirst, unsigned int>(ptr);
+      r.w[0] = __ldg(reinterpret_cast<const unsigned int*>(ptr));
     } else {
       static_assert(kBytes == 2, "row bytes");
-      r.w[0] = ld_x<kEvictFirst, unsigned short>(ptr);
+      r.w[0] = __ldg(reinterpret_cast<const unsigned short*>(ptr));
     }
     return r;
-  }
-
-  // A row of the chunk's queue, and one of its 3 seed rows.
-  template <int kBytes>
-  __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
-    return load_row<kBytes, kXHint != kXLoadPlain>(ptr);
-  }
-  template <int kBytes>
-  __device__ __forceinline__ RowOf<kBytes> load_seed(const char* ptr) const {
-    return load_row<kBytes, kXHint == kXLoadAllEvictFirst>(ptr);
   }
 
   template <class T>
@@ -171,7 +134,7 @@ struct DeviceOps {
 // Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
 // largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
 // which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
-template <typename Traits, bool kSilu, bool kHasBias, int kXHint = kXLoadQueueEvictFirst>
+template <typename Traits, bool kSilu, bool kHasBias>
 __global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
 packed_conv_kernel(const PackedConvParams p) {
   extern __shared__ float4 staging_storage[];
@@ -179,7 +142,8 @@ packed_conv_kernel(const PackedConvParams p) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
   if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
-  DeviceOps<kXHint> ops{reinterpret_cast<float*>(staging_storage) + warp * staging_floats_per_warp(Traits::kTile)};
+  DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
+                warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
   const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
   packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
@@ -195,18 +159,6 @@ void launch_instance(const PackedConvParams& p, cudaStream_t stream) {
   const std::size_t staging_bytes =
       static_cast<std::size_t>(p.warps_per_cta) * staging_bytes_per_warp(Traits::kTile);
   const bool has_bias = p.bias != nullptr;
-  if constexpr (kDType == DType::BF16 && kVec == 4) {
-    // check_tuning admits the other x load hints for this instance with SiLU and no bias only
-    // (the benchmark's).
-    if (p.x_load_hint != kXLoadQueueEvictFirst && p.silu && !has_bias) {
-      if (p.x_load_hint == kXLoadPlain) {
-        packed_conv_kernel<Traits, true, false, kXLoadPlain><<<grid, block, staging_bytes, stream>>>(p);
-      } else {
-        packed_conv_kernel<Traits, true, false, kXLoadAllEvictFirst><<<grid, block, staging_bytes, stream>>>(p);
-      }
-      return;
-    }
-  }
   if (p.silu && has_bias) {
     packed_conv_kernel<Traits, true, true><<<grid, block, staging_bytes, stream>>>(p);
   } else if (p.silu) {

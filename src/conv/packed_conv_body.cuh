@@ -3,7 +3,6 @@
 // Everything that differs between the two goes through an Ops object:
 //
 //   template <int kBytes> RowOf<kBytes> load_x(const char* p)   x row bytes, read-only path
-//   template <int kBytes> RowOf<kBytes> load_seed(const char* p)   the same for a seed row
 //   template <int kBytes> void store_out(char* p, const RowOf<kBytes>& r)
 //   float load_ro(const float* p)          Float4 load4_ro(const float* p)   read-only path
 //   Float4 load4(const float* p)           void store4(float* p, Float4 v)   shared or global
@@ -419,9 +418,9 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   Row seed1{}, seed2{}, seed3{};
   if (!carried) {
     const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
-    seed1 = ops.template load_seed<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
-    if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_seed<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
-    if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_seed<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
+    seed1 = ops.template load_x<kBytes>(x_lane + (seed_end - 1) * x_row_bytes);
+    if (pc.chunk != 0 || len >= 2) seed2 = ops.template load_x<kBytes>(x_lane + (seed_end - 2) * x_row_bytes);
+    if (pc.chunk != 0 || len >= 3) seed3 = ops.template load_x<kBytes>(x_lane + (seed_end - 3) * x_row_bytes);
   }
 
   // Row r of the chunk is consumed from queue slot r % kQueue, which then loads row

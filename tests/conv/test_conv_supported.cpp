@@ -452,19 +452,6 @@ TEST_CASE("a forced tuning outside the instances is refused before any launch") 
           "warps_per_cta 8 with vec 8 needs 59136 bytes of shared memory, more than 49152");
     CHECK(kda::conv::check_tuning(a, {8, 0, 4}).empty());
   }
-  SUBCASE("x_load_hint outside its instances") {
-    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 0, 3}) == "x_load_hint 3 is not one of 0, 1, 2");
-    CHECK(kda::conv::check_tuning(a, {0, 0, 0, 0, 2}).empty());  // bf16, vec 4, SiLU, no bias
-    const std::string only = "x_load_hint 1 has kernel instances for bf16, vec 4, SiLU and no bias only";
-    CHECK(kda::conv::check_tuning(a, {2, 0, 0, 0, 1}) == only);
-    kda::PackedConvArgs no_silu = a;
-    no_silu.silu = false;
-    CHECK(kda::conv::check_tuning(no_silu, {0, 0, 0, 0, 1}) == only);
-    kda::PackedConvArgs fp16 = a;
-    fp16.x_dtype = kda::DType::FP16;
-    CHECK(kda::conv::check_tuning(fp16, {0, 0, 0, 0, 1}) == only);
-    CHECK(kda::conv::check_tuning(fp16, {0, 0, 0, 0, 0}).empty());  // the default, every instance
-  }
   SUBCASE("every listed tuning of the seed scale is accepted") {
     for (int vec : {8, 4, 2, 1})
       for (int chunk : {8, 16, 32, 64, 128, 256})

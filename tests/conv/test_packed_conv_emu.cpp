@@ -82,10 +82,6 @@ struct HostOps {
     return r;
   }
   template <int kBytes>
-  RowOf<kBytes> load_seed(const char* ptr) const {  // the device's differs in cache hints only
-    return load_x<kBytes>(ptr);
-  }
-  template <int kBytes>
   void store_out(char* ptr, const RowOf<kBytes>& r) const {
     check(warp->out.holds(ptr, kBytes) && aligned(ptr, kBytes < 16 ? kBytes : 16));
     std::memcpy(ptr, r.w, kBytes);
