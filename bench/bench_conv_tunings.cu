@@ -386,9 +386,9 @@ void allow_dynamic_smem(int bytes) {
 // The most dynamic shared memory one CTA may ask for on the H200 (227 KiB).
 constexpr int kMaxSmemPerCta = 227 * 1024;
 
-// The dynamic shared memory per CTA that lets at most `ctas` CTAs of `kernel` share an SM, at
-// least `need` bytes (the most shared memory an SM gives minus the per-CTA reservation, split
-// `ctas` ways). 0 when `ctas` is 0: the kernel's own need, its natural occupancy.
+// The dynamic shared memory per CTA that lets at most `ctas` CTAs share an SM (the shared memory
+// of an SM split `ctas` ways, less the per-CTA reservation), and at least `need` bytes. `ctas` 0:
+// `need` itself, the kernel's natural occupancy.
 int smem_for_ctas_per_sm(int ctas, int need) {
   if (ctas == 0) return need;
   static const std::pair<int, int> sm = [] {
