@@ -402,13 +402,17 @@ int smem_for_ctas_per_sm(int ctas, int need) {
   return std::max(bytes, need);
 }
 
-// CTAs of `kernel` per SM at `threads` threads and `smem` bytes, by the occupancy calculator,
-// printed with the table so that each column's occupancy is a measured fact, not an intent.
-template <typename Kernel>
-int resident_ctas(Kernel kernel, int threads, int smem) {
+// Prints (once per kKernel and smem) how many CTAs of kKernel share an SM at `threads` threads
+// and `smem` bytes, by the occupancy calculator, so that each column's occupancy in a table is a
+// measured fact, not an intent. `what` names the variant.
+template <auto kKernel>
+void report_occupancy(const std::string& what, int threads, int smem) {
+  static std::vector<int> reported;
+  if (std::find(reported.begin(), reported.end(), smem) != reported.end()) return;
+  reported.push_back(smem);
   int n = 0;
-  BENCH_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
-  return n;
+  BENCH_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, smem));
+  std::fprintf(stderr, "%s, %d B shared: %d CTAs per SM\n", what.c_str(), smem, n);
 }
 
 // The same copy through a ring of shared-memory stages filled by bulk copies (cp.async.bulk, one
@@ -667,19 +671,13 @@ __global__ void __launch_bounds__(kWarps * 32) band_bulk_kernel(const char* x, c
 template <int kRows, int kLaneBytes, int kWarps, BulkScope kScope, int kCtasPerSm = 0>
 void launch_band_bulk(const BufferSet& s, int64_t tokens) {
   constexpr int kCtaBand = kWarps * 32 * kLaneBytes;
+  constexpr auto kernel = band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>;
   const int smem = smem_for_ctas_per_sm(kCtasPerSm, kRows * kCtaBand);
   // The most any launch of this kernel asks for (the launchers of every kCtasPerSm share it).
-  allow_dynamic_smem<band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>>(kMaxSmemPerCta);
-  static const bool shown = [smem] {
-    if (kCtasPerSm != 0)
-      std::fprintf(stderr, "one block %d rows, %d B shared: %d CTAs per SM\n", kRows, smem,
-                   resident_ctas(band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope>, kWarps * 32, smem));
-    return true;
-  }();
-  (void)shown;
+  allow_dynamic_smem<kernel>(kMaxSmemPerCta);
+  if (kCtasPerSm != 0) report_occupancy<kernel>("one block " + std::to_string(kRows) + " rows", kWarps * 32, smem);
   const dim3 grid(static_cast<unsigned>(tokens / kRows), static_cast<unsigned>(kPlaneRowBytes / kCtaBand), 3);
-  band_bulk_kernel<kRows, kLaneBytes, kWarps, kScope><<<grid, kWarps * 32, smem>>>(
-      static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
+  kernel<<<grid, kWarps * 32, smem>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
 
 // --block-walks: does the one-block write keep its gain with the occupancy and the walk a conv
@@ -703,16 +701,16 @@ __global__ void __launch_bounds__(kBlockWarps * 32) block_walk_kernel(const char
   const char* src = x + (t0 * kRowStride + blockIdx.y * kPartDim) * 2 + threadIdx.x * 8;
   char* dst = out + (blockIdx.y * tokens + t0) * kPlaneRowBytes;
   constexpr int64_t kChunkIn = kRows * kRowStride * 2, kChunkOut = kRows * kPlaneRowBytes;
-  uint2 q[kRows], next[kRows];
+  // Chunk j's rows of this thread's 8 bytes into rows.
+  const auto load_chunk = [&](uint2 (&rows)[kRows], int j) {
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) q[i] = __ldg(reinterpret_cast<const uint2*>(src + i * kRowStride * 2));
+    for (int i = 0; i < kRows; ++i) rows[i] = __ldg(reinterpret_cast<const uint2*>(src + j * kChunkIn + i * kRowStride * 2));
+  };
+  uint2 q[kRows], next[kRows];
+  load_chunk(q, 0);
   for (int j = 0; j < kChunks; ++j) {
     if constexpr (kPipelined) {
-      if (j + 1 < kChunks) {
-#pragma unroll
-        for (int i = 0; i < kRows; ++i)
-          next[i] = __ldg(reinterpret_cast<const uint2*>(src + (j + 1) * kChunkIn + i * kRowStride * 2));
-      }
+      if (j + 1 < kChunks) load_chunk(next, j + 1);
     }
     char* buf = tile + (j & 1) * kChunkOut;
 #pragma unroll
@@ -729,9 +727,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32) block_walk_kernel(const char
 #pragma unroll
         for (int i = 0; i < kRows; ++i) q[i] = next[i];
       } else {
-#pragma unroll
-        for (int i = 0; i < kRows; ++i)
-          q[i] = __ldg(reinterpret_cast<const uint2*>(src + (j + 1) * kChunkIn + i * kRowStride * 2));
+        load_chunk(q, j + 1);
       }
     }
   }
@@ -741,15 +737,12 @@ __global__ void __launch_bounds__(kBlockWarps * 32) block_walk_kernel(const char
 
 template <int kRows, int kChunks, bool kPipelined>
 void launch_block_walk(const BufferSet& s, int64_t tokens, int ctas_per_sm) {
-  const auto kernel = block_walk_kernel<kRows, kChunks, kPipelined>;
+  constexpr auto kernel = block_walk_kernel<kRows, kChunks, kPipelined>;
   const int smem = smem_for_ctas_per_sm(ctas_per_sm, 2 * kRows * kPlaneRowBytes);
-  allow_dynamic_smem<block_walk_kernel<kRows, kChunks, kPipelined>>(kMaxSmemPerCta);
-  static bool shown[8] = {};
-  if (!shown[ctas_per_sm & 7]) {
-    shown[ctas_per_sm & 7] = true;
-    std::fprintf(stderr, "block walk %d rows x %d chunks%s, %d B shared: %d CTAs per SM\n", kRows, kChunks,
-                 kPipelined ? " pipelined" : "", smem, resident_ctas(kernel, kBlockWarps * 32, smem));
-  }
+  allow_dynamic_smem<kernel>(kMaxSmemPerCta);
+  report_occupancy<kernel>("block walk " + std::to_string(kRows) + " rows x " + std::to_string(kChunks) + " chunks" +
+                               (kPipelined ? " pipelined" : ""),
+                           kBlockWarps * 32, smem);
   const dim3 grid(static_cast<unsigned>(tokens / (kRows * kChunks)), 3);
   kernel<<<grid, kBlockWarps * 32, smem>>>(static_cast<const char*>(s.x), static_cast<char*>(s.copy_dst), tokens);
 }
