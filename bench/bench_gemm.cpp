@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/inproj_gemm.h"
+#include "runtime/gemm_plan.h"
 #include "runtime/random_weights.h"
 
 namespace {

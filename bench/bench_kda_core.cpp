@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "kda/error.h"
-#include "layer/kda_chunked.h"
-#include "layer/kda_steps.h"
+#include "recurrence/kda_chunked.h"
+#include "recurrence/kda_recurrence.h"
 #include "runtime/random_weights.h"
 
 namespace {

@@ -36,8 +36,8 @@
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
-#include "runtime/host_layer_tensors.h"  // the full model's weights to and from the host
-#include "runtime/tp_shard.h"  // the driver cuts the full model's host weights and pools per rank
+#include "testing/host_layer_tensors.h"  // the full model's weights to and from the host
+#include "testing/tp_shard.h"  // the driver cuts the full model's host weights and pools per rank
 
 namespace {
 

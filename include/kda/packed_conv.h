@@ -8,22 +8,14 @@
 // so a launch can be captured in a CUDA graph and replayed with new batch metadata.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
 
-// cudaStream_t is `CUstream_st*`; declaring the struct keeps this header free of CUDA headers.
-struct CUstream_st;
+#include "kda/error.h"
+#include "kda/types.h"
 
 namespace kda {
-
-using Stream = CUstream_st*;  // a cudaStream_t; nullptr is the legacy default stream
-
-enum class DType { BF16, FP16, FP32 };
-
-const char* dtype_name(DType dtype);     // "bf16", "fp16", "fp32"
-std::size_t dtype_size(DType dtype);     // bytes per element
 
 // All strides are in elements. All pointers are device pointers.
 struct PackedConvArgs {

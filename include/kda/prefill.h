@@ -35,7 +35,9 @@
 #include <vector>
 
 #include "kda/config.h"
-#include "kda/packed_conv.h"  // kda::Stream, kda::DType
+#include "kda/error.h"
+#include "kda/packed_conv.h"
+#include "kda/types.h"
 
 // NCCL's communicator handle, declared exactly as nccl.h declares it, so that this header needs
 // no nccl.h (and compiles where NCCL is not installed).

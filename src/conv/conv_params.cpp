@@ -3,7 +3,7 @@
 #include <cstdint>
 
 #include "common/check.h"
-#include "conv/program_map.h"
+#include "common/varlen_map.h"
 
 namespace kda::conv {
 

@@ -14,7 +14,7 @@
 //   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
 //
-// A program is a (sequence, token chunk) of the program map (program_map.h) times a tile of
+// A program is a (sequence, token chunk) of the program map (common/varlen_map.h) times a tile of
 // 32 * vec channels inside one output plane; one warp runs chunks_per_cta consecutive programs
 // of one tile (packed_conv_programs), searching with locate_chunk only at sequence boundaries.
 // Each lane owns vec adjacent channels: it keeps their taps, bias and 3 history rows in
@@ -26,7 +26,7 @@
 #include <cstdint>
 
 #include "conv/conv_params.h"
-#include "conv/program_map.h"
+#include "common/varlen_map.h"
 #include "conv/silu_recipe.h"
 #include "kda/packed_conv.h"
 
@@ -277,7 +277,7 @@ struct TileStaging {
 };
 
 // The (sequence, token chunk) of chunk program `chunk_program`, found by the 32 lanes of one
-// warp (program_map.h's radix search). It is the same for every column block, so the kernel
+// warp (common/varlen_map.h's radix search). It is the same for every column block, so the kernel
 // runs it once per CTA and shares it.
 template <class Ops>
 KDA_HOST_DEVICE KDA_INLINE ProgramChunk locate_chunk(const PackedConvParams& p, int64_t chunk_program,

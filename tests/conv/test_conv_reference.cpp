@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "common/half_host.h"
-#include "conv/conv_reference.h"
+#include "testing/conv_reference.h"
 #include "kda/error.h"
 
 using kda::DType;

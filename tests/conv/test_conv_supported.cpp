@@ -9,7 +9,7 @@
 #include <string>
 
 #include "conv/conv_params.h"
-#include "conv/program_map.h"
+#include "common/varlen_map.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
 

@@ -26,7 +26,7 @@
 #include "support/emu_barrier.h"
 #include "common/half_host.h"
 #include "conv/conv_params.h"
-#include "conv/conv_reference.h"
+#include "testing/conv_reference.h"
 #include "conv/packed_conv_body.cuh"
 #include "kda/packed_conv.h"
 

@@ -32,7 +32,7 @@
 
 #include "common/half_host.h"
 #include "conv/conv_params.h"
-#include "conv/conv_reference.h"
+#include "testing/conv_reference.h"
 #include "conv/silu_recipe.h"
 #include "conv/stock_conv.h"
 #include "kda/error.h"

@@ -1,4 +1,4 @@
-// The packed conv's device-side program map (conv/program_map.h), checked on the CPU against
+// The packed conv's device-side program map (common/varlen_map.h), checked on the CPU against
 // a naive scan: every token is covered exactly once, chunks stay inside their sequence, only
 // chunk 0 starts at a sequence start, and the radix-32 search (scalar and ballot-style) finds
 // the same sequence as a plain search.
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "conv/program_map.h"
+#include "common/varlen_map.h"
 
 namespace {
 

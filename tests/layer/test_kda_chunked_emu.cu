@@ -29,9 +29,9 @@
 
 #include "support/emu_barrier.h"
 #include "common/half_host.h"
-#include "layer/kda_chunked.h"
-#include "layer/kda_chunked_body.cuh"
-#include "layer/layer_reference.h"
+#include "recurrence/kda_chunked.h"
+#include "recurrence/kda_chunked_body.cuh"
+#include "testing/layer_reference.h"
 
 namespace {
 

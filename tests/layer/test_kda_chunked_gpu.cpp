@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "kda/error.h"
-#include "layer/kda_chunked.h"
-#include "layer/kda_steps.h"
-#include "layer/layer_reference.h"
+#include "recurrence/kda_chunked.h"
+#include "recurrence/kda_recurrence.h"
+#include "testing/layer_reference.h"
 #include "support/gpu_buffers.h"
 
 namespace {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/half_host.h"
-#include "layer/layer_reference.h"
+#include "testing/layer_reference.h"
 
 namespace {
 

@@ -18,8 +18,9 @@
 #include <vector>
 
 #include "kda/error.h"
-#include "layer/kda_steps.h"
-#include "layer/layer_reference.h"
+#include "norm/gated_rmsnorm.h"
+#include "recurrence/kda_recurrence.h"
+#include "testing/layer_reference.h"
 #include "support/gpu_buffers.h"
 
 namespace {

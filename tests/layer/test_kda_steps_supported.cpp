@@ -8,7 +8,9 @@
 
 #include "kda/error.h"
 #include "kda/prefill.h"
-#include "layer/kda_steps.h"
+#include "norm/gated_rmsnorm.h"
+#include "recurrence/kda_recurrence.h"
+#include "runtime/step_args.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 
 #include "common/half_host.h"
 #include "kda/error.h"
-#include "layer/layer_reference.h"
+#include "testing/layer_reference.h"
 
 namespace {
 

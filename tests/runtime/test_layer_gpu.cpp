@@ -17,7 +17,7 @@
 #include "common/half_host.h"
 #include "kda/config.h"
 #include "kda/prefill.h"
-#include "layer/layer_reference.h"
+#include "testing/layer_reference.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
 #include "support/host_batch.h"

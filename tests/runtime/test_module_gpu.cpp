@@ -22,7 +22,7 @@
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
-#include "runtime/inproj_gemm.h"
+#include "runtime/gemm_plan.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
 

@@ -28,8 +28,8 @@
 #include "kda/error.h"
 #include "kda/prefill.h"
 #include "runtime/random_weights.h"
-#include "runtime/host_layer_tensors.h"
-#include "runtime/tp_shard.h"
+#include "testing/host_layer_tensors.h"
+#include "testing/tp_shard.h"
 #include "support/gpu_buffers.h"
 #include "support/host_batch.h"
 

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "kda/error.h"
-#include "runtime/tp_shard.h"
+#include "testing/tp_shard.h"
 
 namespace {
 

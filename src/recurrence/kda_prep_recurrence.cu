@@ -28,8 +28,8 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
-#include "layer/kda_device_math.cuh"
-#include "layer/kda_steps.h"
+#include "common/device_math.cuh"
+#include "recurrence/kda_recurrence.h"
 
 namespace kda {
 namespace {

@@ -1,7 +1,7 @@
-// The KDA layer's GPU steps after the conv and the gate GEMMs (/shared/spec/kda-layer.md
-// steps 4-6): the per-token prep fused into the token-by-token gated delta-rule recurrence,
-// and the gated RMSNorm. CUDA-free: host code includes this header, the kernels live in
-// kda_prep_recurrence.cu and gated_rmsnorm.cu, the StepContext adapters in kda_step_args.cpp.
+// The KDA recurrence (docs/layer.md steps 4 and 5): the per-token prep fused into the gated
+// delta rule. Two kernels compute the same op from the same arguments: kda_prep_recurrence
+// (token by token, the reference path) and kda_chunked (kda_chunked.h, the fast path).
+// CUDA-free: host code includes this header, the kernels live in the .cu files beside it.
 //
 // All pointers are device pointers, all strides are in elements, bf16 tensors are row-major
 // with column stride 1. Row counts are capacities (a bucket's rows) and the grids depend only
@@ -15,11 +15,9 @@
 #include <optional>
 #include <string>
 
-#include "kda/packed_conv.h"  // kda::Stream
+#include "kda/types.h"
 
 namespace kda {
-
-struct StepContext;
 
 // Spec steps 4 and 5 per (sequence, head): L2-normalise q and k (eps 1e-6), q *= 128^-0.5,
 // g = -exp(A_log[h]) * softplus(g1 + dt_bias) (or the lower-bound variant), beta = sigmoid(b),
@@ -71,42 +69,5 @@ struct PrepRecurrenceArgs {
 bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& args, std::string* why = nullptr);
 void kda_prep_recurrence(const PrepRecurrenceArgs& args, Stream stream);
 
-// Spec step 6 per (token, head) 128-vector x of o:
-// y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(g2), fp32 math, bf16 out (nearest even).
-// Rows processed: [0, query_start_loc[num_seqs]) clamped to num_tokens, read on the device
-// (padded metadata repeats the last entry, so num_seqs may be the capacity), or all num_tokens
-// rows when query_start_loc is null. Rows past that are never written. Rows of skipped
-// sequences inside it are computed from whatever o holds there; rows are independent, so this
-// is harmless (their output rows belong to no sequence).
-struct GatedRmsNormArgs {
-  int64_t num_heads = 0;   // H
-  int64_t head_dim = 128;  // only 128 is supported
-  int64_t num_tokens = 0;  // rows of o, g2 and y
-  const int32_t* query_start_loc = nullptr;  // (num_seqs + 1) or nullptr
-  int64_t num_seqs = 0;
-  const void* o = nullptr;      // (num_tokens, H, 128) bf16
-  int64_t o_row_stride = 0;     // >= P, a multiple of 4
-  const void* g2 = nullptr;     // (num_tokens, P) bf16, g_a @ g_b^T
-  int64_t g2_row_stride = 0;    // >= P, a multiple of 4
-  const void* weight = nullptr; // (128) bf16, shared by all heads
-  double eps = 1e-5;            // positive, finite
-  void* y = nullptr;            // (num_tokens, P) bf16
-  int64_t y_row_stride = 0;     // >= P, a multiple of 4
-};
-
-bool gated_rmsnorm_supported(const GatedRmsNormArgs& args, std::string* why = nullptr);
-void gated_rmsnorm(const GatedRmsNormArgs& args, Stream stream);
-
-// Arguments for a module step: shapes, metadata, planes (row stride P), the b columns of
-// ctx.in_proj_out (offset 3P, row stride in_proj_stride()), weights, the layer's recurrent
-// pool (contiguous (line, head, k, v)) and the pool facts from ctx.config. g1/o (resp. o, g2,
-// y) live in buffers the caller owns, ctx.bucket_tokens rows with the given row strides.
-PrepRecurrenceArgs prep_recurrence_args_for_step(const StepContext& ctx, const void* g1,
-                                                 int64_t g1_row_stride, void* o,
-                                                 int64_t o_row_stride);
-GatedRmsNormArgs gated_rmsnorm_args_for_step(const StepContext& ctx, const void* o,
-                                             int64_t o_row_stride, const void* g2,
-                                             int64_t g2_row_stride, void* y,
-                                             int64_t y_row_stride);
 
 }  // namespace kda

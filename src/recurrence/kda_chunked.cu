@@ -23,10 +23,10 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
-#include "conv/program_map.h"
-#include "layer/kda_chunked.h"
-#include "layer/kda_chunked_body.cuh"
-#include "layer/kda_steps.h"
+#include "common/varlen_map.h"
+#include "recurrence/kda_chunked.h"
+#include "recurrence/kda_chunked_body.cuh"
+#include "recurrence/kda_recurrence.h"
 
 namespace kda {
 namespace {
@@ -55,7 +55,7 @@ struct DeviceOps {
   __device__ __forceinline__ float shfl_xor(float v, int mask) const {
     return __shfl_xor_sync(0xFFFFFFFFu, v, mask);
   }
-  // The radix search of conv/program_map.h, warp-cooperative: every lane of the warp calls it
+  // The radix search of common/varlen_map.h, warp-cooperative: every lane of the warp calls it
   // with the same slot, lane j tests candidate j of each level and a ballot counts them.
   __device__ __forceinline__ int64_t locate_sequence(const ChunkedParams& p, int64_t slot,
                                                      int lane) const {

@@ -4,7 +4,7 @@
 #pragma once
 
 #include "kda/prefill.h"
-#include "runtime/tp_shard.h"
+#include "testing/tp_shard.h"
 
 namespace kda::detail {
 

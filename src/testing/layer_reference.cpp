@@ -1,4 +1,4 @@
-#include "layer/layer_reference.h"
+#include "testing/layer_reference.h"
 
 #include <algorithm>
 #include <atomic>

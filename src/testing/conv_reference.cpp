@@ -1,4 +1,4 @@
-#include "conv/conv_reference.h"
+#include "testing/conv_reference.h"
 
 #include <cmath>
 #include <cstdint>

@@ -3,7 +3,9 @@
 #include "common/check.h"
 #include "kda/config.h"
 #include "kda/prefill.h"
-#include "layer/kda_steps.h"
+#include "norm/gated_rmsnorm.h"
+#include "recurrence/kda_recurrence.h"
+#include "runtime/step_args.h"
 
 namespace kda {
 

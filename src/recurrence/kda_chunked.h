@@ -26,7 +26,7 @@
 #include <cstdint>
 #include <string>
 
-#include "layer/kda_steps.h"
+#include "recurrence/kda_recurrence.h"
 
 namespace kda {
 

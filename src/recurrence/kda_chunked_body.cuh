@@ -20,7 +20,7 @@
 // algebra against the token-by-token recurrence in float64.
 //
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
-// Chunk slots follow the packed conv's program map (conv/program_map.h): sequence s owns
+// Chunk slots follow the packed conv's program map (common/varlen_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
 // (slot, head) to the workspace. Steps: 1 inputs, norms, decay, beta; 2 cumulative decay;
 // 3a Qt, Kb', gamma; 3b the diagonal 16 x 16 sub-blocks of A and M'; 4 the blocks below them;
@@ -78,8 +78,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "conv/program_map.h"
-#include "layer/kda_steps.h"
+#include "common/varlen_map.h"
+#include "recurrence/kda_recurrence.h"
 
 // The bodies call Ops members that are __device__ (DeviceOps) or __host__ (the CPU emulation)
 // only; each instantiation is used on that side alone, so nvcc's cross-side call check is
@@ -140,7 +140,7 @@ struct ChunkedParams {
   int64_t num_tokens;
   int64_t max_seqs;
   int64_t slots;     // chunk slots: (num_tokens >> 6) + max_seqs
-  int search_steps;  // radix search over query_start_loc (conv/program_map.h)
+  int search_steps;  // radix search over query_start_loc (common/varlen_map.h)
   int64_t search_stride;
   int num_heads;
   const __nv_bfloat16* q;

@@ -1,4 +1,4 @@
-#include "runtime/inproj_gemm.h"
+#include "runtime/gemm_plan.h"
 
 #include <cstdio>
 #include <string>

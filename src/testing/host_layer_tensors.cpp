@@ -1,4 +1,4 @@
-#include "runtime/host_layer_tensors.h"
+#include "testing/host_layer_tensors.h"
 
 #include <cuda_runtime_api.h>
 

@@ -1,4 +1,4 @@
-#include "runtime/tp_shard.h"
+#include "testing/tp_shard.h"
 
 #include "common/check.h"
 

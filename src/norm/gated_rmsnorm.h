@@ -1,0 +1,41 @@
+// The gated RMSNorm of a KDA layer (spec step 6), per (token, head). CUDA-free: host code
+// includes this header, the kernel lives in gated_rmsnorm.cu. The grid depends only on
+// num_tokens and num_heads (capacities), so a launch can be captured once and replayed with
+// new query_start_loc. The launcher checks its arguments with gated_rmsnorm_supported() (which
+// reads no device memory) and throws kda::Error, enqueueing nothing, when they are unusable.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kda/types.h"
+
+namespace kda {
+
+// Spec step 6 per (token, head) 128-vector x of o:
+// y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(g2), fp32 math, bf16 out (nearest even).
+// Rows processed: [0, query_start_loc[num_seqs]) clamped to num_tokens, read on the device
+// (padded metadata repeats the last entry, so num_seqs may be the capacity), or all num_tokens
+// rows when query_start_loc is null. Rows past that are never written. Rows of skipped
+// sequences inside it are computed from whatever o holds there; rows are independent, so this
+// is harmless (their output rows belong to no sequence).
+struct GatedRmsNormArgs {
+  int64_t num_heads = 0;   // H
+  int64_t head_dim = 128;  // only 128 is supported
+  int64_t num_tokens = 0;  // rows of o, g2 and y
+  const int32_t* query_start_loc = nullptr;  // (num_seqs + 1) or nullptr
+  int64_t num_seqs = 0;
+  const void* o = nullptr;      // (num_tokens, H, 128) bf16
+  int64_t o_row_stride = 0;     // >= P, a multiple of 4
+  const void* g2 = nullptr;     // (num_tokens, P) bf16, g_a @ g_b^T
+  int64_t g2_row_stride = 0;    // >= P, a multiple of 4
+  const void* weight = nullptr; // (128) bf16, shared by all heads
+  double eps = 1e-5;            // positive, finite
+  void* y = nullptr;            // (num_tokens, P) bf16
+  int64_t y_row_stride = 0;     // >= P, a multiple of 4
+};
+
+bool gated_rmsnorm_supported(const GatedRmsNormArgs& args, std::string* why = nullptr);
+void gated_rmsnorm(const GatedRmsNormArgs& args, Stream stream);
+
+}  // namespace kda
