@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <utility>
 
 #include "common/check.h"
 #include "common/cuda_check.h"
@@ -18,10 +17,10 @@
 namespace kda {
 namespace {
 
-using layer_device::load4_bf16;
-using layer_device::sigmoid;
-using layer_device::store4_bf16;
-using layer_device::warp_sum;
+using device_math::load4_bf16;
+using device_math::sigmoid;
+using device_math::store4_bf16;
+using device_math::warp_sum;
 
 constexpr const char* kFunction = "kda::gated_rmsnorm";
 constexpr int kHeadDim = 128;
@@ -78,14 +77,10 @@ bool aligned_to(const void* ptr, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
 }
 
-bool fail(std::string* why, std::string reason) {
-  if (why) *why = std::move(reason);
-  return false;
-}
-
 }  // namespace
 
 bool gated_rmsnorm_supported(const GatedRmsNormArgs& a, std::string* why) {
+  using detail::fail;
   using detail::str_cat;
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   if (a.head_dim != kHeadDim)

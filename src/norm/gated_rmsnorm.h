@@ -1,4 +1,4 @@
-// The gated RMSNorm of a KDA layer (spec step 6), per (token, head). CUDA-free: host code
+// The gated RMSNorm of a KDA layer (docs/layer.md step 6), per (token, head). CUDA-free: host code
 // includes this header, the kernel lives in gated_rmsnorm.cu. The grid depends only on
 // num_tokens and num_heads (capacities), so a launch can be captured once and replayed with
 // new query_start_loc. The launcher checks its arguments with gated_rmsnorm_supported() (which
@@ -12,7 +12,7 @@
 
 namespace kda {
 
-// Spec step 6 per (token, head) 128-vector x of o:
+// Step 6 (docs/layer.md) per (token, head) 128-vector x of o:
 // y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(g2), fp32 math, bf16 out (nearest even).
 // Rows processed: [0, query_start_loc[num_seqs]) clamped to num_tokens, read on the device
 // (padded metadata repeats the last entry, so num_seqs may be the capacity), or all num_tokens

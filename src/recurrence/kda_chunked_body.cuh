@@ -20,7 +20,7 @@
 // algebra against the token-by-token recurrence in float64.
 //
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.
-// Chunk slots follow the packed conv's program map (common/varlen_map.h): sequence s owns
+// Chunk slots follow the varlen map (common/varlen_map.h): sequence s owns
 // slots f(s) + n, f(s) = floor(qsl[s] / 64) + s, for its chunks n. It writes one Record per
 // (slot, head) to the workspace. Steps: 1 inputs, norms, decay, beta; 2 cumulative decay;
 // 3a Qt, Kb', gamma; 3b the diagonal 16 x 16 sub-blocks of A and M'; 4 the blocks below them;
@@ -29,26 +29,18 @@
 // X_I^T = (R_I^T - sum_{J<I} X_J^T A_IJ^T) (L_II^-1)^T per 16-token block I, the A operands
 // being its own accumulators (phase 2's k permutation), the B operands 8-byte pairs of A and
 // of the four diagonal blocks' inverses L_II^-1 - I (fp32, on CUDA cores, once per block).
-// Phase 2 (state_block_split near the end of this file, Unsplit: the same with two warps
-// per 16 value rows, one per half of the key channels (KSplit); state_block, the first form): one
-// block of 2 warps per (sequence, head, value slice of 32 columns). Each warp holds the
+// Phase 2 (state_block, at the end of this file): one block of 4 warps per (sequence, head,
+// value slice of 32 columns), walking the sequence's chunks in order with the chunk records
+// double-buffered in shared memory (cp.async). Per 16 value rows a state warp holds the
 // transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
-// and walks the chunks in order; the chunk records are double-buffered in shared memory with
-// cp.async. In transposed form every A operand (S^T and U^T) comes from registers (an m16n8
-// accumulator pair is an m16k16 A fragment) and every B operand is a record tile in shared
-// memory. U and O are bf16 products (B tiles read with ldmatrix); the state update, whose
-// operands set the precision of the carried state, is an fp16 product with each row of U^T
-// scaled by a power of two into fp16's range (update_state_f16; Kb' is stored in fp16, B
-// tiles read with ldmatrix .trans), which keeps the final state's error near 3e-4 instead of
-// the 3e-3 of bf16 operands.
-//
-// Phase 2, warp-specialized (state_block_spec, KdaStateKernel::Specialized, the default, at the
-// very end):
-// the same grid, records and stages with 4 warps per block; per value tile a state warp holds
-// S^T and computes U and the state update, and an output warp computes O and writes o from the
-// state warp's bf16 S0^T and U^T fragments, published through shared memory behind named
-// barriers (bar.arrive by the state warp, bar.sync by the output warp). The output warp's
-// products are Unsplit's on the same operands in the same order: bit-identical results.
+// and computes U and the state update; an output warp computes O and writes o from the state
+// warp's bf16 S0^T and U^T fragments, published through shared memory. In transposed form
+// every A operand (S^T and U^T) comes from registers (an m16n8 accumulator pair is an m16k16 A
+// fragment) and every B operand is a record tile in shared memory. U and O are bf16 products
+// (B tiles read with ldmatrix); the state update, whose operands set the precision of the
+// carried state, is an fp16 product with each row of U^T scaled by a power of two into fp16's
+// range (update_state_f16; Kb' is stored in fp16, B tiles read with ldmatrix .trans), which
+// keeps the final state's error an order of magnitude below that of bf16 operands.
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
 // barriers (sync and arrive), shuffles, the radix search, ldmatrix (.trans), mma in bf16,
@@ -79,7 +71,7 @@
 #include <cstring>
 
 #include "common/varlen_map.h"
-#include "recurrence/kda_recurrence.h"
+#include "recurrence/recurrence_params.h"
 
 // The bodies call Ops members that are __device__ (DeviceOps) or __host__ (the CPU emulation)
 // only; each instantiation is used on that side alone, so nvcc's cross-side call check is
@@ -99,9 +91,11 @@
 
 namespace kda::chunked {
 
-constexpr int kHeadDim = 128;  // K = V
+using recurrence::RecurrenceParams;
+
+constexpr int kHeadDim = recurrence::kHeadDim;  // K = V
 constexpr int kChunk = 64;
-constexpr int kChunkShift = 6;
+constexpr int kChunkShift = recurrence::kChunkShift;
 constexpr int kSub = 16;  // diagonal sub-block of A and M'
 constexpr int kSubBlocks = kChunk / kSub;
 static_assert(kChunk == 1 << kChunkShift, "chunk length and shift disagree");
@@ -130,42 +124,7 @@ struct Record {
                 "W, Qt, Kb' adjacent");
 };
 
-// Kernel-facing copy of PrepRecurrenceArgs plus the derived launch facts.
-struct ChunkedParams {
-  const int32_t* query_start_loc;
-  const int32_t* cache_indices;
-  const bool* has_initial_state;
-  int32_t null_line;
-  int64_t cache_lines;
-  int64_t num_tokens;
-  int64_t max_seqs;
-  int64_t slots;     // chunk slots: (num_tokens >> 6) + max_seqs
-  int search_steps;  // radix search over query_start_loc (common/varlen_map.h)
-  int64_t search_stride;
-  int num_heads;
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  int64_t qkv_stride;
-  const __nv_bfloat16* g1;
-  int64_t g1_stride;
-  const __nv_bfloat16* b;  // already offset to the b columns
-  int64_t b_stride;
-  const float* a_log;
-  const float* dt_bias;
-  float lower_bound;
-  float* states;
-  int64_t state_line, state_head, state_k, state_v;
-  __nv_bfloat16* o;
-  int64_t o_stride;
-  unsigned char* workspace;
-};
-
-// The launcher's mapping from the op's arguments (host code, kda_chunked.cu); the CPU
-// emulation builds its parameters with it too.
-ChunkedParams make_chunked_params(const PrepRecurrenceArgs& args, void* workspace);
-
-// The spec's sigmoid, as layer_device::sigmoid (IEEE expf), for beta (one per token and
+// The layer's sigmoid, as device_math::sigmoid (IEEE expf), for beta (one per token and
 // head); the per-element gates use the short forms below.
 __host__ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -173,8 +132,8 @@ __host__ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.
 // < 2^-22, lg2 absolute error < 2^-22.6 on [0.5, 2], rcp < 1 ulp; .ftz: subnormal inputs and
 // results are zero). The host side (the CPU emulation) stands in with libm and the same
 // flushing. IEEE exp2f is the same EX2 plus a rescaling for subnormal results, expf and
-// log1pf are ~10 and ~25 instructions: phase 1 evaluates ~40 k of these per block, which made
-// up a third of its instructions (Nsight Compute, issue 5's perf notes).
+// log1pf are ~10 and ~25 instructions: phase 1 evaluates tens of thousands of these per block,
+// so the short forms keep its instruction count down.
 __host__ __device__ __forceinline__ float flush_subnormal(float x) {
   return std::fabs(x) < FLT_MIN ? 0.0f * x : x;
 }
@@ -212,12 +171,12 @@ __host__ __device__ __forceinline__ float exp2_nonpos(float x) { return ex2_appr
 
 // softplus and sigmoid of the per-channel decay, in a few hardware instructions, to ~2e-6
 // relative (the gates enter only through 2^(G_i - G_j), so an error e in one gate moves a
-// factor by e |g| ln 2 relative; the IEEE forms, as in layer_device, cost ~35 instructions
+// factor by e |g| ln 2 relative; the IEEE forms, as in device_math, cost ~35 instructions
 // per element).
 // softplus(x) = max(x, 0) + log1p(y), y = e^-|x| in (0, 1]: log1p(y) by its series for
 // y <= 1/16 (truncated after y^5: relative error < y^5 / 6 < 2e-7), else ln 2 log2(1 + y),
 // where log2(1 + y) >= 0.087 keeps lg2's absolute error under 2e-6 relative. For x > 20 the
-// result rounds to x, as the spec's threshold gives.
+// result rounds to x, as the layer's threshold gives (docs/layer.md).
 __host__ __device__ __forceinline__ float softplus_fast(float x) {
   constexpr float kLn2 = 0.69314718055994531f;
   const float y = ex2_approx(-std::fabs(x) * kLog2e);
@@ -326,7 +285,7 @@ struct SeqSpan {
   bool active = false;
 };
 
-__host__ __device__ __forceinline__ SeqSpan sequence_span(const ChunkedParams& p, int64_t seq) {
+__host__ __device__ __forceinline__ SeqSpan sequence_span(const RecurrenceParams& p, int64_t seq) {
   SeqSpan s;
   s.bos = std::max(static_cast<int64_t>(p.query_start_loc[seq]), int64_t{0});
   s.eos = std::min(static_cast<int64_t>(p.query_start_loc[seq + 1]), p.num_tokens);
@@ -335,7 +294,7 @@ __host__ __device__ __forceinline__ SeqSpan sequence_span(const ChunkedParams& p
   return s;
 }
 
-__host__ __device__ __forceinline__ unsigned char* record_of(const ChunkedParams& p,
+__host__ __device__ __forceinline__ unsigned char* record_of(const RecurrenceParams& p,
                                                              int64_t slot, int head) {
   return p.workspace + (slot * p.num_heads + head) * static_cast<int64_t>(Record::kBytes);
 }
@@ -681,7 +640,7 @@ KDA_UNROLL
 // reach every barrier.
 KDA_OPS_BODY
 template <bool kLowerBound, class Ops>
-__host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParams& p,
+__host__ __device__ __forceinline__ void prep_block(Ops& ops, const RecurrenceParams& p,
                                                     int64_t slot, int head, int tid) {
   using T = PrepTraits;
   const int lane = tid & 31, warp = tid >> 5;
@@ -689,7 +648,7 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const ChunkedParam
   if (seq < 0) return;
   const SeqSpan span = sequence_span(p, seq);
   if (!span.active) return;
-  const int64_t chunk = slot - conv::first_program(p.query_start_loc[seq], seq, kChunkShift);
+  const int64_t chunk = slot - varlen::first_slot(p.query_start_loc[seq], seq, kChunkShift);
   const int64_t begin = span.bos + chunk * kChunk;
   if (begin >= span.eos) return;
   const int len = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - begin));
@@ -1001,13 +960,43 @@ KDA_UNROLL
 
 // ---------------------------------------------------------------------------------------------
 // Phase 2.
+//
+// Per value tile (16 value rows) of a block, two warps on their own schedulers, the same
+// records and stages:
+//   state warp (warps 0, 1 = value tile vt): S^T in registers; per chunk it packs
+//     sf = bf16(S0^T) and publishes it, computes U^T = Uv^T - S0^T W^T, publishes
+//     uf = bf16(U^T), and updates the state. Its chain per chunk is the recurrence's critical
+//     path, so it carries nothing that the next chunk does not need.
+//   output warp (warps 2, 3 = value tile vt - 2): per chunk, O^T = S0^T Qt^T from the
+//     published sf, then O^T += U^T M'^T from the published uf, and the o rows; the output
+//     warps also copy the records into the stages.
+//
+// Publishing goes through an exchange area after the two stages, per value tile 8 sf slots
+// (k-steps kk) and 4 uf slots (k-steps kq), each the 4 fragment registers of every lane as one
+// 16-byte word at [slot][lane] (conflict-free 128-bit accesses). Each publication is a producer
+// / consumer pair on a named barrier of the tile's two warps (64 threads): the state warp
+// arrives (bar.arrive: it never waits for the output warp inside a chunk), the output warp
+// syncs (bar.sync), so the state warp's stores are visible to it past the barrier. sf uses
+// barrier 1 + vt, uf barrier 3 + vt, ids spelled as constants (ptxas reserves 5 barriers). They
+// must be distinct: with one id the state warp's two arrivals of a chunk could complete a
+// generation on their own.
+// Reuse of the slots and of the barriers across chunks is ordered by the block barrier of
+// enter_chunk: the state warp writes chunk n + 1's sf (and arrives again) only after chunk
+// n + 1's block barrier, which the output warp reaches only after it has read chunk n's sf and
+// uf (and completed both barriers' generations of chunk n).
+// The two roles reach the same barriers at different instructions (the block barrier in two
+// loops; arrive against sync on the pair barriers), each by a whole, converged warp: the
+// pattern of the PTX ISA's producer / consumer example for bar.arrive (compute-sanitizer's
+// synccheck on the GPU is the check the emulation cannot make).
 
 struct StateTraits {
-  static constexpr int kWarps = 2;
+  static constexpr int kValueTiles = 2;                      // 16-row value tiles per block
+  static constexpr int kWarps = 2 * kValueTiles;             // a state and an output warp per tile
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRowsPerWarp = 16;                 // value rows of S^T per warp (m16)
-  static constexpr int kColumns = kWarps * kRowsPerWarp;  // value columns per block
-  static constexpr int kSlices = kHeadDim / kColumns;     // blocks per (sequence, head)
+  static constexpr int kRowsPerWarp = 16;                    // value rows of S^T per tile (m16)
+  static constexpr int kColumns = kValueTiles * kRowsPerWarp;  // value columns per block
+  static constexpr int kSlices = kHeadDim / kColumns;        // blocks per (sequence, head)
+  static constexpr int kKeyTiles = kHeadDim / 8;             // n-tiles of a warp's S^T
   // Shared-memory stage: record tiles with padded rows (272 B / 144 B / 288 B: the 8 rows of
   // every ldmatrix and the float2 reads of UvT fall in distinct banks).
   static constexpr int kPitchTile = (kHeadDim + 8) * 2;                   // bytes per W / Qt / Kb' row
@@ -1020,9 +1009,21 @@ struct StateTraits {
   static constexpr int kUvT = kMp + kChunk * kPitchMp;
   static constexpr int kGamma = kUvT + kColumns * kPitchUv;
   static constexpr int kStageBytes = kGamma + kHeadDim * 4;
-  static constexpr int kSmemBytes = 2 * kStageBytes;
-  static_assert(kStageBytes % 16 == 0 && kSmemBytes <= 227 * 1024, "stage layout");
+  // The exchange of sf and uf after the two stages.
+  static constexpr int kSlotBytes = 32 * 16;           // a 16-byte word per lane
+  static constexpr int kSfSlots = kHeadDim / 16;       // S0^T fragments: k-steps of 16 keys
+  static constexpr int kUfSlots = kChunk / 16;         // U^T fragments: k-steps of 16 tokens
+  static constexpr int kXchgTileBytes = (kSfSlots + kUfSlots) * kSlotBytes;
+  static constexpr int kXchg = 2 * kStageBytes;
+  static constexpr int kSmemBytes = kXchg + kValueTiles * kXchgTileBytes;
+  static constexpr int kPairThreads = 64;  // named barriers of a tile's state and output warp
+  static constexpr int kCopyThreads = 32 * kValueTiles;  // the output warps copy the records
+  static_assert(kStageBytes % 16 == 0 && kXchg % 16 == 0 && kSmemBytes <= 227 * 1024,
+                "stage and exchange layout");
   static_assert(kHeadDim % kColumns == 0, "value slices must tile the head");
+  static_assert(kSlices == recurrence::kTokenSlices,
+                "phase 2's grid has 4 slices per head, as kda_prep_recurrence's");
+  static_assert(kValueTiles == 2, "the exchange names barriers 1 .. 4, two per value tile");
 };
 
 // 2^k, k = clamp(14 - floor(log2 m), -100, 40), for m >= 0: m 2^k lies in [2^14, 2^15), under
@@ -1041,26 +1042,26 @@ __host__ __device__ __forceinline__ float pow2f(int k) {
   return f;
 }
 
-// One warp's S^T = S0^T diag(gamma) + U^T Kb' (value rows v0 + g, v0 + g + 8; kKeyTiles
-// 8-channel tiles from the channel that `gamma` and `kb_addr` start at), on fp16 tensor cores.
-// The state update's operands set the carried state's accuracy (bf16 ones made its error
-// about 8 times larger); fp16 carries tf32's 11 significant bits at twice tf32's mma rate and
-// half its operand bytes, but only over [2^-14, 65504]. Kb' is within [-1, 1] (phase 1 stores
-// it in fp16). U is not bounded, so each value row of U^T is scaled by a power of two 2^k_row
-// (fp16_scale_exponent of the row's largest |U|) before rounding to fp16, and the row of the
-// accumulator with it: acc = S0^T diag(gamma) 2^k, acc += (2^k U^T) Kb', S^T = acc 2^-k. Power-
-// of-two scalings are exact, so the result is the product of the fp16-rounded operands summed
-// in fp32, whatever the scale, as long as |S| 2^k stays finite: always for |S| < 2^87 (k <=
-// 40); a state entry beyond 1.5e26 is outside any layer this serves (and fp32 itself would
-// not carry such a state much further). ua[s] holds U^T (negated: -U^T) at tokens 8 s + (2t, 2t + 1) as
-// an m16n8 accumulator; an accumulator pair is an m16k16 A fragment. Kb' is [token][channel]
-// in the stage (pitch StateTraits::kPitchTile), read with ldmatrix .trans as [k][n] B tiles.
+// A state warp's S^T = S0^T diag(gamma) + U^T Kb' (value rows v0 + g, v0 + g + 8; all 128 key
+// channels), on fp16 tensor cores. The state update's operands set the carried state's
+// accuracy (bf16 ones carry 8 significant bits into it); fp16 carries tf32's 11
+// significant bits at twice tf32's mma rate and half its operand bytes, but only over
+// [2^-14, 65504]. Kb' is within [-1, 1] (phase 1 stores it in fp16). U is not bounded, so each
+// value row of U^T is scaled by a power of two 2^k_row (fp16_scale_exponent of the row's
+// largest |U|) before rounding to fp16, and the row of the accumulator with it:
+// acc = S0^T diag(gamma) 2^k, acc += (2^k U^T) Kb', S^T = acc 2^-k. Power-of-two scalings are
+// exact, so the result is the product of the fp16-rounded operands summed in fp32, whatever
+// the scale, as long as |S| 2^k stays finite: always for |S| < 2^87 (k <= 40); a state entry
+// beyond 1.5e26 is outside any layer this serves (and fp32 itself would not carry such a state
+// much further). ua[s] holds U^T at tokens 8 s + (2t, 2t + 1) as an m16n8 accumulator; an
+// accumulator pair is an m16k16 A fragment. Kb' is [token][channel] in the stage at shared
+// address kb_addr (pitch StateTraits::kPitchTile), read with ldmatrix .trans as [k][n] B tiles.
 KDA_OPS_BODY
-template <int kKeyTiles, bool kNegated, class Ops>
-__host__ __device__ __forceinline__ void update_state_f16(Ops& ops, float (&st)[kKeyTiles][4],
-                                                          const float (&ua)[kChunk / 8][4],
-                                                          const float* gamma, uint32_t kb_addr,
-                                                          int lane) {
+template <class Ops>
+__host__ __device__ __forceinline__ void update_state_f16(
+    Ops& ops, float (&st)[StateTraits::kKeyTiles][4], const float (&ua)[kChunk / 8][4],
+    const float* gamma, uint32_t kb_addr, int lane) {
+  constexpr int kKeyTiles = StateTraits::kKeyTiles;
   static_assert(kKeyTiles % 2 == 0, "key tiles in pairs (one ldmatrix x4 each)");
   const int t = lane & 3, m = lane >> 3, r8 = lane & 7;
   // The largest |U| of rows g and g + 8, over the 4 lanes of a row (lanes 4g .. 4g + 3).
@@ -1075,8 +1076,7 @@ KDA_UNROLL
   mlo = fmaxf(mlo, ops.shfl_xor(mlo, 2));
   mhi = fmaxf(mhi, ops.shfl_xor(mhi, 2));
   const int klo = fp16_scale_exponent(mlo), khi = fp16_scale_exponent(mhi);
-  const float sign = kNegated ? -1.0f : 1.0f;
-  const float slo = sign * pow2f(klo), shi = sign * pow2f(khi);
+  const float slo = pow2f(klo), shi = pow2f(khi);
   // 2^k U^T as fp16 A fragments: k-step kq covers tokens [16 kq, 16 kq + 16).
   uint32_t uh[kChunk / 16][4];
 KDA_UNROLL
@@ -1118,247 +1118,10 @@ KDA_UNROLL
   }
 }
 
-// Copies this block's part of chunk record `rec` into the stage at shared address `stage`.
-KDA_OPS_BODY
-template <class Ops>
-__host__ __device__ __forceinline__ void load_stage(Ops& ops, uint32_t stage,
-                                                    const unsigned char* rec, int vbase,
-                                                    int tid) {
-  using T = StateTraits;
-  constexpr int kTileChunks = kHeadDim * 2 / 16;  // 16-byte pieces per 128-channel bf16 row
-  for (int e = tid; e < 3 * kChunk * kTileChunks; e += T::kThreads) {
-    const int tile = e / (kChunk * kTileChunks);  // 0: W, 1: Qt, 2: Kb' (consecutive in both)
-    const int row = (e / kTileChunks) % kChunk, piece = e % kTileChunks;
-    ops.cp16(stage + T::kW + tile * kChunk * T::kPitchTile + row * T::kPitchTile + piece * 16,
-             rec + Record::kW + tile * kChunk * kHeadDim * 2 + row * kHeadDim * 2 + piece * 16);
-  }
-  constexpr int kMpChunks = kChunk * 2 / 16;
-  for (int e = tid; e < kChunk * kMpChunks; e += T::kThreads) {
-    const int row = e / kMpChunks, piece = e % kMpChunks;
-    ops.cp16(stage + T::kMp + row * T::kPitchMp + piece * 16,
-             rec + Record::kMp + row * kChunk * 2 + piece * 16);
-  }
-  constexpr int kUvChunks = kChunk * 4 / 16;
-  for (int e = tid; e < T::kColumns * kUvChunks; e += T::kThreads) {
-    const int row = e / kUvChunks, piece = e % kUvChunks;
-    ops.cp16(stage + T::kUvT + row * T::kPitchUv + piece * 16,
-             rec + Record::kUvT + (vbase + row) * kChunk * 4 + piece * 16);
-  }
-  constexpr int kGammaChunks = kHeadDim * 4 / 16;
-  if (tid < kGammaChunks)
-    ops.cp16(stage + T::kGamma + tid * 16, rec + Record::kGamma + tid * 16);
-}
-
-// One (sequence, head, value slice) of phase 2, as thread `tid` of 64. Exits depend on the
-// block's indices and on metadata only, so they are uniform over the block and every thread
-// reaches every barrier.
-KDA_OPS_BODY
-template <class Ops>
-__host__ __device__ __forceinline__ void state_block(Ops& ops, const ChunkedParams& p,
-                                                     int64_t seq, int head, int slice,
-                                                     int tid) {
-  using T = StateTraits;
-  const SeqSpan span = sequence_span(p, seq);
-  if (!span.active) return;
-  const int64_t first = conv::first_program(p.query_start_loc[seq], seq, kChunkShift);
-  const int64_t nchunks = (span.eos - span.bos + kChunk - 1) / kChunk;
-  // Only malformed metadata (a decreasing query_start_loc) can leave the slot range; such a
-  // sequence is skipped rather than read out of bounds.
-  if (first < 0 || first + nchunks > p.slots) return;
-
-  const int lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
-  const int vbase = slice * T::kColumns;    // block's first value column
-  const int vrow = warp * T::kRowsPerWarp;  // warp's first row inside the block
-  const int v0 = vbase + vrow;              // warp's first value column in the head
-
-  // S^T: st[nt] is the accumulator tile of value rows v0 + (g, g + 8) and key channels
-  // 8 nt + (2t, 2t + 1).
-  float st[kHeadDim / 8][4];
-  float* state = p.states + span.line * p.state_line + head * p.state_head;
-  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-KDA_UNROLL
-  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
-      st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
-    }
-  }
-
-  unsigned char* smem = ops.smem();
-  const uint32_t smem_base = ops.smem_addr(smem);
-  // Per-lane ldmatrix offsets. Non-transposed B tiles stored [n][k]: matrix m covers rows
-  // 8 (m >> 1).. and columns 8 (m & 1).., so r[0], r[1] are b0, b1 of n-tile 2np and r[2],
-  // r[3] those of n-tile 2np + 1.
-  const uint32_t off_tile = (r8 + 8 * (m >> 1)) * T::kPitchTile + (m & 1) * 16;
-  const uint32_t off_mp = (r8 + 8 * (m >> 1)) * T::kPitchMp + (m & 1) * 16;
-
-  load_stage(ops, smem_base, record_of(p, first, head), vbase, tid);
-  ops.cp_commit();
-KDA_UNROLL_1
-  for (int64_t n = 0; n < nchunks; ++n) {
-    if (n + 1 < nchunks)
-      load_stage(ops, smem_base + ((n + 1) & 1) * T::kStageBytes,
-                 record_of(p, first + n + 1, head), vbase, tid);
-    ops.cp_commit();
-    ops.cp_wait_prior();  // this thread's pieces of chunk n have landed
-    ops.sync();           // ... and everyone's
-    const uint32_t stage = smem_base + (n & 1) * T::kStageBytes;
-    const unsigned char* stage_ptr = smem + (n & 1) * T::kStageBytes;
-    const float* uvt = reinterpret_cast<const float*>(stage_ptr + T::kUvT);
-    const float* gamma = reinterpret_cast<const float*>(stage_ptr + T::kGamma);
-
-    // S0^T as bf16 A fragments: k-step kk covers key channels [16 kk, 16 kk + 16).
-    uint32_t sf[kHeadDim / 16][4];
-KDA_UNROLL
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      sf[kk][0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
-      sf[kk][1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
-      sf[kk][2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-      sf[kk][3] = pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-    }
-
-    // ua = -U^T = S0^T W^T - Uv^T and oa = S0^T Qt^T; n-tile nt covers tokens [8 nt, 8 nt + 8).
-    float ua[kChunk / 8][4], oa[kChunk / 8][4];
-    constexpr int kUvFloats = T::kPitchUv / 4;
-KDA_UNROLL
-    for (int nt = 0; nt < kChunk / 8; ++nt) {
-      const float* lo = uvt + (vrow + g) * kUvFloats + 8 * nt + 2 * t;
-      const float* hi = lo + 8 * kUvFloats;
-      ua[nt][0] = -lo[0];
-      ua[nt][1] = -lo[1];
-      ua[nt][2] = -hi[0];
-      ua[nt][3] = -hi[1];
-      oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
-    }
-KDA_UNROLL
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-KDA_UNROLL
-      for (int np = 0; np < kChunk / 16; ++np) {
-        uint32_t b[4];
-        const uint32_t tile_off = off_tile + np * 16 * T::kPitchTile + kk * 32;
-        ops.ldsm_x4(b, stage + T::kW + tile_off);
-        ops.mma(ua[2 * np], sf[kk], b[0], b[1]);
-        ops.mma(ua[2 * np + 1], sf[kk], b[2], b[3]);
-        ops.ldsm_x4(b, stage + T::kQt + tile_off);
-        ops.mma(oa[2 * np], sf[kk], b[0], b[1]);
-        ops.mma(oa[2 * np + 1], sf[kk], b[2], b[3]);
-      }
-    }
-
-    // U^T as bf16 A fragments (negating ua): k-step ks covers tokens [16 ks, 16 ks + 16).
-    uint32_t uf[kChunk / 16][4];
-KDA_UNROLL
-    for (int ks = 0; ks < kChunk / 16; ++ks) {
-      uf[ks][0] = pack_bf16(-ua[2 * ks][0], -ua[2 * ks][1]);
-      uf[ks][1] = pack_bf16(-ua[2 * ks][2], -ua[2 * ks][3]);
-      uf[ks][2] = pack_bf16(-ua[2 * ks + 1][0], -ua[2 * ks + 1][1]);
-      uf[ks][3] = pack_bf16(-ua[2 * ks + 1][2], -ua[2 * ks + 1][3]);
-    }
-
-    // S^T = S0^T diag(gamma) + U^T Kb' (ua holds -U^T).
-    update_state_f16<kHeadDim / 8, true>(ops, st, ua, gamma, stage + T::kKb, lane);
-
-    // oa += U^T M'^T over the token blocks ks <= np only (M' is zero above its diagonal).
-KDA_UNROLL
-    for (int np = 0; np < kChunk / 16; ++np) {
-KDA_UNROLL
-      for (int ks = 0; ks <= np; ++ks) {
-        uint32_t b[4];
-        ops.ldsm_x4(b, stage + T::kMp + off_mp + np * 16 * T::kPitchMp + ks * 32);
-        ops.mma(oa[2 * np], uf[ks], b[0], b[1]);
-        ops.mma(oa[2 * np + 1], uf[ks], b[2], b[3]);
-      }
-    }
-
-    // o rows of this chunk: token 8 nt + 2t + (r & 1), value column v0 + g + 8 (r >> 1).
-    const int64_t t0 = span.bos + n * kChunk;
-    const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
-    __nv_bfloat16* orow =
-        p.o + t0 * p.o_stride + static_cast<int64_t>(head) * kHeadDim + v0 + g;
-KDA_UNROLL
-    for (int nt = 0; nt < kChunk / 8; ++nt) {
-KDA_UNROLL
-      for (int r = 0; r < 4; ++r) {
-        const int i = 8 * nt + 2 * t + (r & 1);
-        if (i < rows) orow[i * p.o_stride + 8 * (r >> 1)] = __float2bfloat16_rn(oa[nt][r]);
-      }
-    }
-    ops.sync();  // everyone is done with this stage before it is refilled
-  }
-
-KDA_UNROLL
-  for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
-      state[c * p.state_k + v * p.state_v] = st[nt][r];
-    }
-  }
-}
-
-
-// ---------------------------------------------------------------------------------------------
-// Phase 2, K-split form (state_block_split: KSplit, and Unsplit with one slice). The first
-// form above gives each warp 16 value rows and all 128 key channels, so one warp carries a
-// whole per-chunk chain of
-// 276 mma.sync, 74 ldmatrix, 128 shared loads and ~80 cp.async with generic index math
-// (about 3.2 k instructions per chunk, issued one every ~2.2 cycles by the only warp of its
-// scheduler). Here kKSplit warps share the same 16 value rows, warp ks owning key channels
-// [ks K/kKSplit, (ks + 1) K/kKSplit), and per chunk:
-//   1. each computes its partial -U^T = S0^T W^T - Uv^T (the Uv term in the warp of slice 0
-//      only) and its partial O^T = S0^T Qt^T over its channels;
-//   2. the partials meet in shared memory behind a named barrier of the kKSplit warps: every
-//      warp forms U^T = -(P_mine + P_other) from the two whole -U^T partials, so both hold the
-//      same bits (fp32 addition is commutative), and the owner of each 16-token block of O
-//      adds the other's O partial for it;
-//   3. each updates its own channels of the state, S^T = S0^T diag(gamma) + U^T Kb', and adds
-//      U^T M'^T to the O blocks it owns and writes them. O blocks are dealt so that the
-//      triangular U^T M'^T work is even: with two warps, slice 0 owns token blocks 0 and 3,
-//      slice 1 blocks 1 and 2 (1 + 4 = 2 + 3 mma pairs).
-// Per warp and chunk that is half the mma (74 bf16 + 32 fp16 with kKSplit = 2), half the state
-// registers (32 instead of 64), and one exchange (12 128-bit shared stores and loads). The
-// summation order over the key channels is not the first form's, so results differ from it in
-// the last bits; they are deterministic (fixed code, fixed order). The record stage is the
-// first form's; its copies are fully unrolled with compile-time offsets (one cp.async each,
-// instead of ~10 integer instructions of index math per 16-byte piece), and one block barrier
-// per chunk suffices (the refill of a stage is issued after the barrier that follows its last
-// use). kKSplit = 1 is the same body without the exchange (for comparison: the copy and barrier
-// changes alone).
-
-template <int kKSplit>
-struct SplitTraits {
-  static_assert(kKSplit == 1 || kKSplit == 2, "the key channels split in one or two slices");
-  static constexpr int kValueTiles = 2;  // 16-row value tiles per block, as StateTraits
-  static constexpr int kWarps = kValueTiles * kKSplit;
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kColumns = kValueTiles * StateTraits::kRowsPerWarp;
-  static constexpr int kSlices = kHeadDim / kColumns;  // blocks per (sequence, head)
-  static constexpr int kKeys = kHeadDim / kKSplit;     // key channels per warp
-  static constexpr int kTokenTiles = kChunk / 8;       // n-tiles of O^T and U^T
-  // Exchange area after the two stages: per warp, slot nt (< 8) holds its -U^T partial n-tile
-  // nt and slot 8 + nt its O^T partial n-tile nt (written only for the other warp's blocks),
-  // one float4 per lane (a conflict-free 128-bit access per slot).
-  static constexpr int kSlotBytes = 32 * 16;
-  static constexpr int kXchgWarpBytes = kKSplit > 1 ? 2 * kTokenTiles * kSlotBytes : 0;
-  static constexpr int kXchg = 2 * StateTraits::kStageBytes;
-  static constexpr int kSmemBytes = kXchg + kWarps * kXchgWarpBytes;
-  static constexpr int kPairThreads = 32 * kKSplit;  // named barrier of one value tile's warps
-  static_assert(kColumns == StateTraits::kColumns, "the stage layout is StateTraits'");
-  static_assert(kKeys % 16 == 0 && kSmemBytes <= 227 * 1024, "split layout");
-  static_assert(kValueTiles == 2, "the exchange names barriers 1 and 2, one per value tile");
-};
-
-// Which warp of a value tile owns (adds U^T M'^T to and writes) the 16-token block np of O.
-__host__ __device__ __forceinline__ constexpr int o_block_owner(int np, int ksplit) {
-  return ksplit == 1 ? 0 : (np == 0 || np == kSubBlocks - 1 ? 0 : 1);
-}
-
 // Copies kRows rows of kPieces 16-byte pieces (global row pitch kSrcPitch, shared row pitch
 // kDstPitch, both in bytes) with kThreads threads. Thread tid always takes piece tid % kPieces
 // of rows tid / kPieces + k kThreads / kPieces, so after one base address per side every
-// offset is a compile-time constant.
+// offset is a compile-time constant (one cp.async per piece, no index math).
 KDA_OPS_BODY
 template <int kThreads, int kRows, int kPieces, int kSrcPitch, int kDstPitch, class Ops>
 __host__ __device__ __forceinline__ void copy_rows(Ops& ops, uint32_t dst,
@@ -1377,12 +1140,13 @@ KDA_UNROLL
   }
 }
 
-// load_stage with copy_rows: the same pieces to the same places.
+// Copies this block's part of chunk record `rec` into the stage at shared address `stage`:
+// W, Qt, Kb', M', the block's 32 rows of UvT and gamma, by kThreads threads (thread index tid).
 KDA_OPS_BODY
 template <int kThreads, class Ops>
-__host__ __device__ __forceinline__ void load_stage_unrolled(Ops& ops, uint32_t stage,
-                                                             const unsigned char* rec,
-                                                             int vbase, int tid) {
+__host__ __device__ __forceinline__ void load_stage(Ops& ops, uint32_t stage,
+                                                    const unsigned char* rec, int vbase,
+                                                    int tid) {
   using S = StateTraits;
   // W, Qt and Kb' are consecutive 64-row tiles in the record and in the stage: 192 rows.
   copy_rows<kThreads, 3 * kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
@@ -1397,26 +1161,26 @@ __host__ __device__ __forceinline__ void load_stage_unrolled(Ops& ops, uint32_t 
 
 // The chunk range of sequence `seq` in phase 2. False when the block has nothing to do: the
 // sequence is skipped, or (only with malformed metadata, a decreasing query_start_loc) its
-// chunk slots leave the slot range. Depends on the block's indices and metadata only, so every
-// thread of the block gets the same answer.
+// chunk slots leave the slot range, and it is skipped rather than read out of bounds. Depends
+// on the block's indices and metadata only, so every thread of the block gets the same answer.
 struct StateWalk {
   SeqSpan span;
   int64_t first = 0, nchunks = 0;
 };
-__host__ __device__ __forceinline__ bool state_walk(const ChunkedParams& p, int64_t seq,
+__host__ __device__ __forceinline__ bool state_walk(const RecurrenceParams& p, int64_t seq,
                                                     StateWalk& w) {
   w.span = sequence_span(p, seq);
   if (!w.span.active) return false;
-  w.first = conv::first_program(p.query_start_loc[seq], seq, kChunkShift);
+  w.first = varlen::first_slot(p.query_start_loc[seq], seq, kChunkShift);
   w.nchunks = (w.span.eos - w.span.bos + kChunk - 1) / kChunk;
   return w.first >= 0 && w.first + w.nchunks <= p.slots;
 }
 
-// The double-buffered record stages of the unrolled-copy form (state_block_split): stage n & 1
-// holds chunk n. start_stages issues chunk 0's copies; enter_chunk(n) waits for chunk n's (this
-// thread's, then everyone's at the block barrier, past which everyone is also done with chunk
-// n - 1), refills the other stage with chunk n + 1 and returns chunk n's stage. One block
-// barrier per chunk.
+// The double-buffered record stages: stage n & 1 holds chunk n. start_stages issues chunk 0's
+// copies; enter_chunk(n) waits for chunk n's (this thread's, then everyone's at the block
+// barrier, past which everyone is also done with chunk n - 1), refills the other stage with
+// chunk n + 1 and returns chunk n's stage. One block barrier per chunk: the refill of a stage
+// is issued after the barrier that follows its last use.
 struct StagePipe {
   const unsigned char* rec;  // the record of the newest chunk in flight
   int64_t rec_step;          // between the records of consecutive chunks of a head
@@ -1431,13 +1195,13 @@ struct Stage {
 
 KDA_OPS_BODY
 template <int kThreads, class Ops>
-__host__ __device__ __forceinline__ StagePipe start_stages(Ops& ops, const ChunkedParams& p,
+__host__ __device__ __forceinline__ StagePipe start_stages(Ops& ops, const RecurrenceParams& p,
                                                            int64_t first, int head, int vbase,
-                                                           int tid, bool copies = true) {
+                                                           int tid, bool copies) {
   StagePipe s{record_of(p, first, head), static_cast<int64_t>(p.num_heads) * Record::kBytes,
               ops.smem_addr(ops.smem()), ops.smem(), vbase};
   if (copies) {
-    load_stage_unrolled<kThreads>(ops, s.base, s.rec, vbase, tid);
+    load_stage<kThreads>(ops, s.base, s.rec, vbase, tid);
     ops.cp_commit();
   }
   return s;
@@ -1446,8 +1210,7 @@ __host__ __device__ __forceinline__ StagePipe start_stages(Ops& ops, const Chunk
 KDA_OPS_BODY
 template <int kThreads, class Ops>
 __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, int64_t n,
-                                                      int64_t nchunks, int tid,
-                                                      bool copies = true) {
+                                                      int64_t nchunks, int tid, bool copies) {
   using S = StateTraits;
   if (copies) ops.cp_wait_all();  // this thread's pieces of chunk n have landed
   // ... and every copier's; everyone is also done with chunk n - 1, whose stage is refilled
@@ -1455,51 +1218,46 @@ __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, in
   ops.sync();
   if (copies && n + 1 < nchunks) {
     s.rec += s.rec_step;
-    load_stage_unrolled<kThreads>(ops, s.base + ((n + 1) & 1) * S::kStageBytes, s.rec, s.vbase,
-                                  tid);
+    load_stage<kThreads>(ops, s.base + ((n + 1) & 1) * S::kStageBytes, s.rec, s.vbase, tid);
     ops.cp_commit();
   }
   return {s.base + static_cast<uint32_t>(n & 1) * S::kStageBytes,
           s.ptr + (n & 1) * S::kStageBytes};
 }
 
-// Pieces of the chunk step shared by state_block_split and state_block_spec (below). A warp's
-// slice of S^T is kKeyTiles accumulator tiles: st[nt] holds value rows v0 + (g, g + 8) and key
-// channels kbase + 8 nt + (2t, 2t + 1).
-template <int kKeyTiles>
-__host__ __device__ __forceinline__ void load_state_slice(float (&st)[kKeyTiles][4],
-                                                          const ChunkedParams& p,
-                                                          const float* state, bool from_state,
-                                                          int v0, int kbase, int g, int t) {
+// A state warp's S^T: st[nt] holds value rows v0 + (g, g + 8) and key channels
+// 8 nt + (2t, 2t + 1), read from (or written to) the sequence's pool line `state`.
+__host__ __device__ __forceinline__ void load_state(float (&st)[StateTraits::kKeyTiles][4],
+                                                    const RecurrenceParams& p,
+                                                    const float* state, bool from_state, int v0,
+                                                    int g, int t) {
 KDA_UNROLL
-  for (int nt = 0; nt < kKeyTiles; ++nt) {
+  for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
       st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
     }
   }
 }
-template <int kKeyTiles>
-__host__ __device__ __forceinline__ void store_state_slice(const float (&st)[kKeyTiles][4],
-                                                           const ChunkedParams& p, float* state,
-                                                           int v0, int kbase, int g, int t) {
+__host__ __device__ __forceinline__ void store_state(const float (&st)[StateTraits::kKeyTiles][4],
+                                                     const RecurrenceParams& p, float* state,
+                                                     int v0, int g, int t) {
 KDA_UNROLL
-  for (int nt = 0; nt < kKeyTiles; ++nt) {
+  for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = kbase + 8 * nt + 2 * t + (r & 1);
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
       state[c * p.state_k + v * p.state_v] = st[nt][r];
     }
   }
 }
 
-// The slice of S0^T as bf16 A fragments: k-step kk covers kbase + [16 kk, 16 kk + 16).
-template <int kKeyTiles>
-__host__ __device__ __forceinline__ void pack_state_bf16(const float (&st)[kKeyTiles][4],
-                                                         uint32_t (&sf)[kKeyTiles / 2][4]) {
+// S0^T as bf16 A fragments: k-step kk covers key channels [16 kk, 16 kk + 16).
+__host__ __device__ __forceinline__ void pack_state_bf16(
+    const float (&st)[StateTraits::kKeyTiles][4], uint32_t (&sf)[StateTraits::kSfSlots][4]) {
 KDA_UNROLL
-  for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+  for (int kk = 0; kk < StateTraits::kSfSlots; ++kk) {
     sf[kk][0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
     sf[kk][1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
     sf[kk][2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
@@ -1536,30 +1294,16 @@ KDA_UNROLL
   }
 }
 
-// The warp's channels [kbase, kbase + 8 kKeyTiles) of S^T = S0^T diag(gamma) + U^T Kb' from
-// U^T (+, not negated) in ua: update_state_f16 on the stage at shared address `stage`.
+// oa += U^T M'^T over the token blocks kq <= np only (M' is zero above its diagonal).
+// off_mp: the lane's ldmatrix offset into M'.
 KDA_OPS_BODY
-template <int kKeyTiles, class Ops>
-__host__ __device__ __forceinline__ void update_state(Ops& ops, float (&st)[kKeyTiles][4],
-                                                      const float (&ua)[kChunk / 8][4],
-                                                      uint32_t stage, const unsigned char* stage_ptr,
-                                                      int kbase, int lane) {
-  using S = StateTraits;
-  const float* gamma = reinterpret_cast<const float*>(stage_ptr + S::kGamma) + kbase;
-  update_state_f16<kKeyTiles, false>(ops, st, ua, gamma, stage + S::kKb + kbase * 2, lane);
-}
-
-// oa += U^T M'^T on the O blocks warp ks of kKSplit owns (token blocks kq <= np only: M' is
-// zero above its diagonal). off_mp: the lane's ldmatrix offset into M'.
-KDA_OPS_BODY
-template <int kKSplit, class Ops>
+template <class Ops>
 __host__ __device__ __forceinline__ void add_u_mp(Ops& ops, float (&oa)[kChunk / 8][4],
                                                   const uint32_t (&uf)[kChunk / 16][4],
-                                                  uint32_t stage, uint32_t off_mp, int ks) {
+                                                  uint32_t stage, uint32_t off_mp) {
   using S = StateTraits;
 KDA_UNROLL
   for (int np = 0; np < kSubBlocks; ++np) {
-    if (o_block_owner(np, kKSplit) != ks) continue;
 KDA_UNROLL
     for (int kq = 0; kq <= np; ++kq) {
       uint32_t b[4];
@@ -1570,13 +1314,11 @@ KDA_UNROLL
   }
 }
 
-// o rows of chunk n of the owned blocks: token 8 nt + 2t + (r & 1), value column
-// v0 + g + 8 (r >> 1). Two row pointers (tokens 2t and 2t + 1 of the n-tile) step 8 rows per
-// n-tile.
-template <int kKSplit>
-__host__ __device__ __forceinline__ void store_o_chunk(const ChunkedParams& p,
+// o rows of chunk n: token 8 nt + 2t + (r & 1), value column v0 + g + 8 (r >> 1). Two row
+// pointers (tokens 2t and 2t + 1 of the n-tile) step 8 rows per n-tile.
+__host__ __device__ __forceinline__ void store_o_chunk(const RecurrenceParams& p,
                                                        const SeqSpan& span, int64_t n, int head,
-                                                       int v0, int ks, int g, int t,
+                                                       int v0, int g, int t,
                                                        const float (&oa)[kChunk / 8][4]) {
   const int64_t t0 = span.bos + n * kChunk;
   const int rows = static_cast<int>(std::min(static_cast<int64_t>(kChunk), span.eos - t0));
@@ -1586,7 +1328,6 @@ __host__ __device__ __forceinline__ void store_o_chunk(const ChunkedParams& p,
   const int64_t step8 = 8 * p.o_stride;
 KDA_UNROLL
   for (int nt = 0; nt < kChunk / 8; ++nt, orow0 += step8, orow1 += step8) {
-    if (o_block_owner(nt / 2, kKSplit) != ks) continue;
     const int i = 8 * nt + 2 * t;
     if (i < rows) {
       orow0[0] = __float2bfloat16_rn(oa[nt][0]);
@@ -1599,238 +1340,49 @@ KDA_UNROLL
   }
 }
 
-// One (sequence, head, value slice) of phase 2 in the K-split form, as thread `tid` of
-// SplitTraits<kKSplit>::kThreads. Exits are uniform over the block, as in state_block.
-KDA_OPS_BODY
-template <int kKSplit, class Ops>
-__host__ __device__ __forceinline__ void state_block_split(Ops& ops, const ChunkedParams& p,
-                                                           int64_t seq, int head, int slice,
-                                                           int tid) {
-  using S = StateTraits;
-  using T = SplitTraits<kKSplit>;
-  constexpr int kKeyTiles = T::kKeys / 8;  // n-tiles of the warp's state slice
-  StateWalk walk;
-  if (!state_walk(p, seq, walk)) return;
-  const SeqSpan& span = walk.span;
-  const int64_t nchunks = walk.nchunks;
-
-  const int lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
-  const int vt = warp / kKSplit, ks = warp % kKSplit;  // value tile, key slice
-  const int vbase = slice * T::kColumns;
-  const int vrow = vt * S::kRowsPerWarp;
-  const int v0 = vbase + vrow;
-  const int kbase = ks * T::kKeys;
-
-  // The warp's slice of S^T (load_state_slice).
-  float st[kKeyTiles][4];
-  float* state = p.states + span.line * p.state_line + head * p.state_head;
-  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-  load_state_slice(st, p, state, from_state, v0, kbase, g, t);
-
-  unsigned char* smem = ops.smem();
-  // ldmatrix offsets as in state_block; the W / Qt ones start at the warp's key channels.
-  const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16 + kbase * 2;
-  const uint32_t off_mp = (r8 + 8 * (m >> 1)) * S::kPitchMp + (m & 1) * 16;
-  unsigned char* xchg_mine = smem + T::kXchg + warp * T::kXchgWarpBytes + lane * 16;
-  const unsigned char* xchg_other =
-      smem + T::kXchg + (warp ^ (kKSplit - 1)) * T::kXchgWarpBytes + lane * 16;
-
-  StagePipe pipe = start_stages<T::kThreads>(ops, p, walk.first, head, vbase, tid);
-KDA_UNROLL_1
-  for (int64_t n = 0; n < nchunks; ++n) {
-    const Stage st_n = enter_chunk<T::kThreads>(ops, pipe, n, nchunks, tid);
-    const uint32_t stage = st_n.addr;
-    const unsigned char* stage_ptr = st_n.ptr;
-    const float* uvt = reinterpret_cast<const float*>(stage_ptr + S::kUvT);
-
-    // S0^T (the warp's channels) as bf16 A fragments.
-    uint32_t sf[T::kKeys / 16][4];
-    pack_state_bf16(st, sf);
-
-    // Partial ua = -U^T (S0^T W^T, minus Uv^T in slice 0) and oa = O^T (S0^T Qt^T). After the
-    // exchange ua holds +U^T.
-    float ua[T::kTokenTiles][4], oa[T::kTokenTiles][4];
-    if (ks == 0) {
-      load_neg_uv(ua, uvt, vrow, g, t);
-    } else {
-KDA_UNROLL
-      for (int nt = 0; nt < T::kTokenTiles; ++nt)
-        ua[nt][0] = ua[nt][1] = ua[nt][2] = ua[nt][3] = 0.0f;
-    }
-KDA_UNROLL
-    for (int nt = 0; nt < T::kTokenTiles; ++nt)
-      oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
-KDA_UNROLL
-    for (int kk = 0; kk < T::kKeys / 16; ++kk) {
-KDA_UNROLL
-      for (int np = 0; np < kSubBlocks; ++np) {
-        uint32_t b[4];
-        const uint32_t tile_off = off_tile + np * 16 * S::kPitchTile + kk * 32;
-        ops.ldsm_x4(b, stage + S::kW + tile_off);
-        ops.mma(ua[2 * np], sf[kk], b[0], b[1]);
-        ops.mma(ua[2 * np + 1], sf[kk], b[2], b[3]);
-        ops.ldsm_x4(b, stage + S::kQt + tile_off);
-        ops.mma(oa[2 * np], sf[kk], b[0], b[1]);
-        ops.mma(oa[2 * np + 1], sf[kk], b[2], b[3]);
-      }
-    }
-
-    if constexpr (kKSplit > 1) {
-      // The exchange. Slots are reused every chunk: the other warp read this chunk's before
-      // it reached the next chunk's block barrier, which precedes the next writes.
-KDA_UNROLL
-      for (int nt = 0; nt < T::kTokenTiles; ++nt)
-        st_as<float4>(xchg_mine + nt * T::kSlotBytes,
-                      make_float4(ua[nt][0], ua[nt][1], ua[nt][2], ua[nt][3]));
-KDA_UNROLL
-      for (int np = 0; np < kSubBlocks; ++np) {
-        if (o_block_owner(np, kKSplit) == ks) continue;
-KDA_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const float* o = oa[2 * np + h];
-          st_as<float4>(xchg_mine + (T::kTokenTiles + 2 * np + h) * T::kSlotBytes,
-                        make_float4(o[0], o[1], o[2], o[3]));
-        }
-      }
-      // Barrier 1 + vt, with the id spelled as a constant so that ptxas reserves 3 barriers.
-      if (vt == 0) ops.named_sync(1, T::kPairThreads);
-      else ops.named_sync(2, T::kPairThreads);
-      // U^T = -(P_mine + P_other): the same bits in both warps.
-KDA_UNROLL
-      for (int nt = 0; nt < T::kTokenTiles; ++nt) {
-        const float4 x = ld_as<float4>(xchg_other + nt * T::kSlotBytes);
-        ua[nt][0] = -(ua[nt][0] + x.x);
-        ua[nt][1] = -(ua[nt][1] + x.y);
-        ua[nt][2] = -(ua[nt][2] + x.z);
-        ua[nt][3] = -(ua[nt][3] + x.w);
-      }
-KDA_UNROLL
-      for (int np = 0; np < kSubBlocks; ++np) {
-        if (o_block_owner(np, kKSplit) != ks) continue;
-KDA_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const float4 x =
-              ld_as<float4>(xchg_other + (T::kTokenTiles + 2 * np + h) * T::kSlotBytes);
-          oa[2 * np + h][0] += x.x;
-          oa[2 * np + h][1] += x.y;
-          oa[2 * np + h][2] += x.z;
-          oa[2 * np + h][3] += x.w;
-        }
-      }
-    } else {
-KDA_UNROLL
-      for (int nt = 0; nt < T::kTokenTiles; ++nt)
-KDA_UNROLL
-        for (int r = 0; r < 4; ++r) ua[nt][r] = -ua[nt][r];
-    }
-
-    // U^T as bf16 A fragments, the state update (fp16), then O += U^T M'^T on the O blocks
-    // this warp owns and their o rows.
-    uint32_t uf[kChunk / 16][4];
-    pack_u_bf16(ua, uf);
-    update_state(ops, st, ua, stage, stage_ptr, kbase, lane);
-    add_u_mp<kKSplit>(ops, oa, uf, stage, off_mp, ks);
-    store_o_chunk<kKSplit>(p, span, n, head, v0, ks, g, t, oa);
-  }
-
-  store_state_slice(st, p, state, v0, kbase, g, t);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Phase 2, warp-specialized form (state_block_spec, KdaStateKernel::Specialized). In Unsplit the
-// one warp of a value tile carries, per chunk, U (64 bf16 mma), O (64 + 20 bf16 mma) and the
-// state update (64 fp16 mma) in one issue stream, although O feeds nothing that the next chunk
-// needs; and its block of 2 warps leaves 2 of an SM's 4 schedulers idle. Here each value tile
-// has two warps on their own schedulers, same grid, same records, same stage pipeline:
-//   state warp (warps 0, 1 = value tile vt): S^T in registers; per chunk it packs sf = bf16(S0^T)
-//     and publishes it, computes U^T = Uv^T - S0^T W^T (64 mma), publishes uf = bf16(U^T), and
-//     updates the state (64 fp16 mma). Its chain per chunk: 64 bf16 + 64 fp16 mma.
-//   output warp (warps 2, 3 = value tile vt - 2): per chunk, O^T = S0^T Qt^T (64 mma) from the
-//     published sf, then O^T += U^T M'^T (20 mma) from the published uf, and the o rows.
-// The output warp's operands are the state warp's very bits (sf, uf) and its mma sequence per
-// accumulator is Unsplit's, so o and the state are bit-identical to Unsplit and Original.
-//
-// Publishing goes through an exchange area after the two stages, per value tile 8 sf slots
-// (k-steps kk) and 4 uf slots (k-steps kq), each the 4 fragment registers of every lane as one
-// 16-byte word at [slot][lane] (conflict-free 128-bit accesses). Each publication is a producer
-// / consumer pair on a named barrier of the tile's two warps (64 threads): the state warp
-// arrives (bar.arrive: it never waits for the output warp inside a chunk), the output warp
-// syncs (bar.sync), so the state warp's stores are visible to it past the barrier. sf uses
-// barrier 1 + vt, uf barrier 3 + vt, ids spelled as constants (ptxas reserves 5 barriers). They
-// must be distinct: with one id the state warp's two arrivals of a chunk could complete a
-// generation on their own.
-// Reuse of the slots and of the barriers across chunks is ordered by the block barrier of
-// enter_chunk: the state warp writes chunk n + 1's sf (and arrives again) only after chunk
-// n + 1's block barrier, which the output warp reaches only after it has read chunk n's sf and
-// uf (and completed both barriers' generations of chunk n). The stages are shared as in
-// state_block_split: all 128 threads copy, one block barrier per chunk.
-// The two roles reach the same barriers at different instructions (the block barrier in two
-// loops; arrive against sync on the pair barriers), each by a whole, converged warp: the
-// pattern of the PTX ISA's producer / consumer example for bar.arrive (compute-sanitizer's
-// synccheck on the GPU is the check the emulation cannot make).
-
-struct SpecTraits {
-  static constexpr int kValueTiles = 2;               // 16-row value tiles per block
-  static constexpr int kWarps = 2 * kValueTiles;      // a state and an output warp per tile
-  static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kColumns = kValueTiles * StateTraits::kRowsPerWarp;
-  static constexpr int kSlices = kHeadDim / kColumns;  // blocks per (sequence, head)
-  static constexpr int kSlotBytes = 32 * 16;           // a 16-byte word per lane
-  static constexpr int kSfSlots = kHeadDim / 16;       // S0^T fragments: k-steps of 16 keys
-  static constexpr int kUfSlots = kChunk / 16;         // U^T fragments: k-steps of 16 tokens
-  static constexpr int kXchgTileBytes = (kSfSlots + kUfSlots) * kSlotBytes;
-  static constexpr int kXchg = 2 * StateTraits::kStageBytes;
-  static constexpr int kSmemBytes = kXchg + kValueTiles * kXchgTileBytes;
-  static constexpr int kPairThreads = 64;  // named barriers of a tile's state and output warp
-  static constexpr int kCopyThreads = 32 * kValueTiles;  // the output warps copy the records
-  static_assert(kColumns == StateTraits::kColumns, "the stage layout is StateTraits'");
-  static_assert(kXchg % 16 == 0 && kSmemBytes <= 227 * 1024, "spec layout");
-  static_assert(kValueTiles == 2, "the exchange names barriers 1 .. 4, two per value tile");
-};
-
 // The state warp of value tile vt: holds S^T (16 value rows x 128 keys), publishes sf and uf.
 // `xchg` is the lane's word of slot 0 of the tile's exchange.
 KDA_OPS_BODY
 template <class Ops>
-__host__ __device__ __forceinline__ void spec_state_warp(Ops& ops, const ChunkedParams& p,
-                                                         const StateWalk& walk, StagePipe& pipe,
-                                                         int64_t seq, int head, int vt, int v0,
-                                                         unsigned char* xchg, int tid) {
+__host__ __device__ __forceinline__ void state_warp(Ops& ops, const RecurrenceParams& p,
+                                                    const StateWalk& walk, StagePipe& pipe,
+                                                    int64_t seq, int head, int vt, int v0,
+                                                    unsigned char* xchg, int tid) {
   using S = StateTraits;
-  using T = SpecTraits;
-  constexpr int kKeyTiles = kHeadDim / 8;
+  constexpr int kKeyTiles = S::kKeyTiles;
   const int lane = tid & 31;
   const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
   const int vrow = vt * S::kRowsPerWarp;
   float st[kKeyTiles][4];
   float* state = p.states + walk.span.line * p.state_line + head * p.state_head;
   const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-  load_state_slice(st, p, state, from_state, v0, 0, g, t);
+  load_state(st, p, state, from_state, v0, g, t);
+  // Non-transposed B tiles stored [n][k]: matrix m covers rows 8 (m >> 1).. and columns
+  // 8 (m & 1).., so r[0], r[1] are b0, b1 of n-tile 2np and r[2], r[3] those of n-tile 2np + 1.
   const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
-  unsigned char* xchg_uf = xchg + T::kSfSlots * T::kSlotBytes;
+  unsigned char* xchg_uf = xchg + S::kSfSlots * S::kSlotBytes;
 
 KDA_UNROLL_1
   for (int64_t n = 0; n < walk.nchunks; ++n) {
     const Stage st_n =
-        enter_chunk<T::kCopyThreads>(ops, pipe, n, walk.nchunks, 0, /*copies=*/false);
+        enter_chunk<S::kCopyThreads>(ops, pipe, n, walk.nchunks, 0, /*copies=*/false);
     const float* uvt = reinterpret_cast<const float*>(st_n.ptr + S::kUvT);
 
     // sf, published for O (the output warp may read it once barrier 1 + vt completes).
-    uint32_t sf[kKeyTiles / 2][4];
+    uint32_t sf[S::kSfSlots][4];
     pack_state_bf16(st, sf);
 KDA_UNROLL
-    for (int kk = 0; kk < T::kSfSlots; ++kk)
-      st_as<uint4>(xchg + kk * T::kSlotBytes,
+    for (int kk = 0; kk < S::kSfSlots; ++kk)
+      st_as<uint4>(xchg + kk * S::kSlotBytes,
                    make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
-    if (vt == 0) ops.named_arrive(1, T::kPairThreads);
-    else ops.named_arrive(2, T::kPairThreads);
+    if (vt == 0) ops.named_arrive(1, S::kPairThreads);
+    else ops.named_arrive(2, S::kPairThreads);
 
-    // ua = -U^T = S0^T W^T - Uv^T, then U^T: Unsplit's products in Unsplit's order.
+    // ua = -U^T = S0^T W^T - Uv^T, then U^T.
     float ua[kChunk / 8][4];
     load_neg_uv(ua, uvt, vrow, g, t);
 KDA_UNROLL
-    for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+    for (int kk = 0; kk < S::kSfSlots; ++kk) {
 KDA_UNROLL
       for (int np = 0; np < kSubBlocks; ++np) {
         uint32_t b[4];
@@ -1848,47 +1400,49 @@ KDA_UNROLL
     uint32_t uf[kChunk / 16][4];
     pack_u_bf16(ua, uf);
 KDA_UNROLL
-    for (int kq = 0; kq < T::kUfSlots; ++kq)
-      st_as<uint4>(xchg_uf + kq * T::kSlotBytes,
+    for (int kq = 0; kq < S::kUfSlots; ++kq)
+      st_as<uint4>(xchg_uf + kq * S::kSlotBytes,
                    make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
-    if (vt == 0) ops.named_arrive(3, T::kPairThreads);
-    else ops.named_arrive(4, T::kPairThreads);
+    if (vt == 0) ops.named_arrive(3, S::kPairThreads);
+    else ops.named_arrive(4, S::kPairThreads);
 
-    update_state(ops, st, ua, st_n.addr, st_n.ptr, 0, lane);
+    // S^T = S0^T diag(gamma) + U^T Kb'.
+    update_state_f16(ops, st, ua, reinterpret_cast<const float*>(st_n.ptr + S::kGamma),
+                     st_n.addr + S::kKb, lane);
   }
 
-  store_state_slice(st, p, state, v0, 0, g, t);
+  store_state(st, p, state, v0, g, t);
 }
 
 // The output warp of value tile vt: O^T from the published sf and uf, and the o rows.
 KDA_OPS_BODY
 template <class Ops>
-__host__ __device__ __forceinline__ void spec_output_warp(Ops& ops, const ChunkedParams& p,
-                                                          const StateWalk& walk, StagePipe& pipe,
-                                                          int head, int vt, int v0,
-                                                          const unsigned char* xchg, int tid) {
+__host__ __device__ __forceinline__ void output_warp(Ops& ops, const RecurrenceParams& p,
+                                                     const StateWalk& walk, StagePipe& pipe,
+                                                     int head, int vt, int v0,
+                                                     const unsigned char* xchg, int tid) {
   using S = StateTraits;
-  using T = SpecTraits;
   const int lane = tid & 31;
   const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
+  // ldmatrix offsets as in state_warp.
   const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
   const uint32_t off_mp = (r8 + 8 * (m >> 1)) * S::kPitchMp + (m & 1) * 16;
-  const unsigned char* xchg_uf = xchg + T::kSfSlots * T::kSlotBytes;
+  const unsigned char* xchg_uf = xchg + S::kSfSlots * S::kSlotBytes;
 
 KDA_UNROLL_1
   for (int64_t n = 0; n < walk.nchunks; ++n) {
-    const Stage st_n =
-        enter_chunk<T::kCopyThreads>(ops, pipe, n, walk.nchunks, tid - T::kCopyThreads);
+    const Stage st_n = enter_chunk<S::kCopyThreads>(ops, pipe, n, walk.nchunks,
+                                                    tid - S::kCopyThreads, /*copies=*/true);
 
-    // oa = O^T = S0^T Qt^T, per accumulator the k-steps kk in Unsplit's order.
+    // oa = O^T = S0^T Qt^T, per accumulator the k-steps kk in ascending order.
     float oa[kChunk / 8][4];
 KDA_UNROLL
     for (int nt = 0; nt < kChunk / 8; ++nt) oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
-    if (vt == 0) ops.named_sync(1, T::kPairThreads);
-    else ops.named_sync(2, T::kPairThreads);
+    if (vt == 0) ops.named_sync(1, S::kPairThreads);
+    else ops.named_sync(2, S::kPairThreads);
 KDA_UNROLL
-    for (int kk = 0; kk < T::kSfSlots; ++kk) {
-      const uint4 w = ld_as<uint4>(xchg + kk * T::kSlotBytes);
+    for (int kk = 0; kk < S::kSfSlots; ++kk) {
+      const uint4 w = ld_as<uint4>(xchg + kk * S::kSlotBytes);
       const uint32_t sf[4] = {w.x, w.y, w.z, w.w};
 KDA_UNROLL
       for (int np = 0; np < kSubBlocks; ++np) {
@@ -1900,49 +1454,47 @@ KDA_UNROLL
     }
 
     // oa += U^T M'^T, then the o rows.
-    if (vt == 0) ops.named_sync(3, T::kPairThreads);
-    else ops.named_sync(4, T::kPairThreads);
+    if (vt == 0) ops.named_sync(3, S::kPairThreads);
+    else ops.named_sync(4, S::kPairThreads);
     uint32_t uf[kChunk / 16][4];
 KDA_UNROLL
-    for (int kq = 0; kq < T::kUfSlots; ++kq) {
-      const uint4 w = ld_as<uint4>(xchg_uf + kq * T::kSlotBytes);
+    for (int kq = 0; kq < S::kUfSlots; ++kq) {
+      const uint4 w = ld_as<uint4>(xchg_uf + kq * S::kSlotBytes);
       uf[kq][0] = w.x;
       uf[kq][1] = w.y;
       uf[kq][2] = w.z;
       uf[kq][3] = w.w;
     }
-    add_u_mp<1>(ops, oa, uf, st_n.addr, off_mp, 0);
-    store_o_chunk<1>(p, walk.span, n, head, v0, 0, g, t, oa);
+    add_u_mp(ops, oa, uf, st_n.addr, off_mp);
+    store_o_chunk(p, walk.span, n, head, v0, g, t, oa);
   }
 }
 
-// One (sequence, head, value slice) of phase 2 in the warp-specialized form, as thread `tid` of
-// SpecTraits::kThreads. Exits are uniform over the block; the two roles run their own chunk
-// loops, which meet at the same number of block barriers (one per chunk, in enter_chunk).
+// One (sequence, head, value slice) of phase 2, as thread `tid` of StateTraits::kThreads.
+// Exits are uniform over the block; the two roles run their own chunk loops, which meet at the
+// same number of block barriers (one per chunk, in enter_chunk).
 KDA_OPS_BODY
 template <class Ops>
-__host__ __device__ __forceinline__ void state_block_spec(Ops& ops, const ChunkedParams& p,
-                                                          int64_t seq, int head, int slice,
-                                                          int tid) {
+__host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceParams& p,
+                                                     int64_t seq, int head, int slice, int tid) {
   using S = StateTraits;
-  using T = SpecTraits;
   StateWalk walk;
   if (!state_walk(p, seq, walk)) return;
   const int lane = tid & 31, warp = tid >> 5;
-  const int vt = warp % T::kValueTiles;
-  const int vbase = slice * T::kColumns;
+  const int vt = warp % S::kValueTiles;
+  const int vbase = slice * S::kColumns;
   const int v0 = vbase + vt * S::kRowsPerWarp;
-  unsigned char* xchg = ops.smem() + T::kXchg + vt * T::kXchgTileBytes + lane * 16;
+  unsigned char* xchg = ops.smem() + S::kXchg + vt * S::kXchgTileBytes + lane * 16;
   // The output warps copy the records alone (kCopyThreads = their 64 threads, thread index
   // tid - kCopyThreads): the state warps' stream, the recurrence's critical path, then carries
   // no cp.async and no copy address arithmetic.
-  const bool copier = warp >= T::kValueTiles;
-  StagePipe pipe = start_stages<T::kCopyThreads>(ops, p, walk.first, head, vbase,
-                                                 tid - T::kCopyThreads, copier);
+  const bool copier = warp >= S::kValueTiles;
+  StagePipe pipe = start_stages<S::kCopyThreads>(ops, p, walk.first, head, vbase,
+                                                 tid - S::kCopyThreads, copier);
   if (!copier)
-    spec_state_warp(ops, p, walk, pipe, seq, head, vt, v0, xchg, tid);
+    state_warp(ops, p, walk, pipe, seq, head, vt, v0, xchg, tid);
   else
-    spec_output_warp(ops, p, walk, pipe, head, vt, v0, xchg, tid);
+    output_warp(ops, p, walk, pipe, head, vt, v0, xchg, tid);
 }
 
 }  // namespace kda::chunked

@@ -6,7 +6,7 @@
 // time into shared memory (one warp per token, 4 channels per lane): q, k, exp(g) as broadcast
 // vectors and beta, k.q as scalars, so the serial loop needs no cross-thread reduction.
 //
-// The spec's token step
+// The layer's token step (docs/layer.md)
 //   S = diag(exp(g)) S;  u = v - S^T k;  S += beta k u^T;  o = S^T q
 // runs as one pass over S per token: the rank-one update of token t is applied lazily, fused
 // with the decay of token t + 1 (S = (S + w_t k_t) * exp(g_{t+1}), the same two roundings as
@@ -18,24 +18,21 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <array>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <string>
-#include <utility>
 
 #include "common/check.h"
 #include "common/cuda_check.h"
 #include "common/device_math.cuh"
 #include "recurrence/kda_recurrence.h"
+#include "recurrence/recurrence_params.h"
 
 namespace kda {
 namespace {
 
 constexpr const char* kFunction = "kda::kda_prep_recurrence";
-constexpr int kHeadDim = 128;
+constexpr int kHeadDim = recurrence::kHeadDim;
+using recurrence::RecurrenceParams;
 
 struct RecurrenceTraits {
   static constexpr int kThreads = 32;                    // one warp per block
@@ -47,34 +44,10 @@ struct RecurrenceTraits {
   static_assert(kHeadDim % kColumns == 0, "value slices must tile the head");
   static_assert(kLaneChannels == 4, "the prep loads 4 bf16 (8 bytes) per lane");
   static_assert(kPartials % 4 == 0, "a float4 step must land on 4 distinct accumulators");
-  static constexpr int kMaxHeads = 65535 / kSlices;      // gridDim.y = H x kSlices
+  static_assert(kSlices == recurrence::kTokenSlices,
+                "kda_prep_recurrence_supported() limits the heads for this grid");
 };
 using Traits = RecurrenceTraits;
-
-// Kernel-facing copy of PrepRecurrenceArgs: typed pointers, b already offset to its columns.
-struct RecurrenceParams {
-  const int32_t* query_start_loc;
-  const int32_t* cache_indices;
-  const bool* has_initial_state;
-  int32_t null_line;
-  int64_t cache_lines;
-  int64_t num_tokens;
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  int64_t qkv_stride;
-  const __nv_bfloat16* g1;
-  int64_t g1_stride;
-  const __nv_bfloat16* b;
-  int64_t b_stride;
-  const float* a_log;
-  const float* dt_bias;
-  float lower_bound;
-  float* states;
-  int64_t state_line, state_head, state_k, state_v;
-  __nv_bfloat16* o;
-  int64_t o_stride;
-};
 
 // One chunk of prepared tokens. Rows are 16-byte aligned for float4 broadcast reads.
 struct alignas(16) ChunkStage {
@@ -86,14 +59,14 @@ struct alignas(16) ChunkStage {
   float kq[Traits::kChunk];  // k . q of the prepared vectors
 };
 
-using layer_device::load4_bf16;
-using layer_device::load_bf16;
-using layer_device::sigmoid;
-using layer_device::softplus;
-using layer_device::warp_sum;
+using device_math::load4_bf16;
+using device_math::load_bf16;
+using device_math::sigmoid;
+using device_math::softplus;
+using device_math::warp_sum;
 
-// Spec step 4 for token `row` and this block's head, by one warp; results go to stage slot
-// `slot`. Lane l owns channels [4l, 4l + 4).
+// Step 4 (docs/layer.md) for token `row` and this block's head, by one warp; results go to
+// stage slot `slot`. Lane l owns channels [4l, 4l + 4).
 template <bool kLowerBound>
 __device__ __forceinline__ void prep_token(const RecurrenceParams& p, int64_t row, int head,
                                            float a_exp, int lane, ChunkStage& stage, int slot) {
@@ -238,134 +211,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
   for (int i = 0; i < kHeadDim; ++i) state[i * p.state_k] = s[i];
 }
 
-bool aligned_to(const void* ptr, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
-}
-
-bool fail(std::string* why, std::string reason) {
-  if (why) *why = std::move(reason);
-  return false;
-}
-
-// Whether (size, stride) dimensions map distinct indices to distinct elements: sorted by
-// stride, each stride must step past everything the smaller ones span.
-bool strides_disjoint(std::array<std::pair<int64_t, int64_t>, 4> dims) {
-  std::sort(dims.begin(), dims.end(),
-            [](const auto& a, const auto& b) { return a.second < b.second; });
-  int64_t extent = 1;
-  for (const auto& [size, stride] : dims) {
-    if (size <= 1) continue;
-    if (stride < extent) return false;
-    if (stride > (std::numeric_limits<int64_t>::max() - extent) / (size - 1)) return false;
-    extent += stride * (size - 1);
-  }
-  return true;
-}
-
 }  // namespace
-
-bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why) {
-  using detail::str_cat;
-  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-  if (a.head_dim != kHeadDim)
-    return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
-  if (a.num_heads < 1 || a.num_heads > Traits::kMaxHeads)
-    return fail(why, str_cat("num_heads ", a.num_heads, " is outside [1, ", Traits::kMaxHeads,
-                             "] (the grid has ", Traits::kSlices, " blocks per head in y)"));
-  if (a.num_tokens < 0 || a.num_tokens > kInt32Max)
-    return fail(why, str_cat("num_tokens ", a.num_tokens, " is outside [0, 2^31 - 1]"));
-  if (a.max_seqs < 0 || a.max_seqs > kInt32Max)
-    return fail(why, str_cat("max_seqs ", a.max_seqs, " is outside [0, 2^31 - 1]"));
-  if (a.cache_lines < 0 || a.cache_lines > kInt32Max + 1)
-    return fail(why, str_cat("cache_lines ", a.cache_lines, " is outside [0, 2^31]"));
-  if (!a.query_start_loc || !a.cache_indices)
-    return fail(why, "query_start_loc and cache_indices must be set");
-  if (!a.q || !a.k || !a.v || !a.g1 || !a.b)
-    return fail(why, "q, k, v, g1 and b must be set");
-  if (!a.a_log || !a.dt_bias) return fail(why, "a_log and dt_bias must be set");
-  if (!a.states) return fail(why, "states (the recurrent-state pool) must be set");
-  if (!a.o) return fail(why, "o must be set");
-
-  const int64_t part_dim = a.num_heads * kHeadDim;
-  if (a.qkv_row_stride < part_dim || a.qkv_row_stride % 4 != 0)
-    return fail(why, str_cat("qkv_row_stride ", a.qkv_row_stride, " must be >= P = ", part_dim,
-                             " and a multiple of 4 (the prep reads 4 bf16 at a time)"));
-  if (a.g1_row_stride < part_dim || a.g1_row_stride % 4 != 0)
-    return fail(why, str_cat("g1_row_stride ", a.g1_row_stride, " must be >= P = ", part_dim,
-                             " and a multiple of 4"));
-  if (!aligned_to(a.q, 8) || !aligned_to(a.k, 8) || !aligned_to(a.g1, 8))
-    return fail(why, "q, k and g1 must be 8-byte aligned (the prep reads 4 bf16 at a time)");
-  if (!aligned_to(a.v, 2) || !aligned_to(a.b, 2) || !aligned_to(a.o, 2))
-    return fail(why, "v, b and o must be aligned to their 2-byte bf16 elements");
-  if (!aligned_to(a.a_log, 4) || !aligned_to(a.dt_bias, 4) || !aligned_to(a.states, 4))
-    return fail(why, "a_log, dt_bias and states must be aligned to their 4-byte elements");
-  if (a.b_col_offset < 0 || a.b_row_stride < a.b_col_offset + a.num_heads)
-    return fail(why, str_cat("the b columns [", a.b_col_offset, ", ",
-                             a.b_col_offset + a.num_heads, ") do not fit in b_row_stride ",
-                             a.b_row_stride));
-  if (a.o_row_stride < part_dim)
-    return fail(why, str_cat("o_row_stride ", a.o_row_stride, " is below P = ", part_dim));
-  if (a.gate_lower_bound &&
-      (!std::isfinite(*a.gate_lower_bound) || !(*a.gate_lower_bound < 0.0)))
-    return fail(why, str_cat("gate_lower_bound ", *a.gate_lower_bound,
-                             " must be finite and negative"));
-  if (a.state_stride_line <= 0 || a.state_stride_head <= 0 || a.state_stride_k <= 0 ||
-      a.state_stride_v <= 0)
-    return fail(why, "the state strides (line, head, k, v) must be positive");
-  if (!strides_disjoint({{{a.cache_lines, a.state_stride_line},
-                          {a.num_heads, a.state_stride_head},
-                          {kHeadDim, a.state_stride_k},
-                          {kHeadDim, a.state_stride_v}}}))
-    return fail(why, str_cat("the state strides (line ", a.state_stride_line, ", head ",
-                             a.state_stride_head, ", k ", a.state_stride_k, ", v ",
-                             a.state_stride_v, ") make state elements overlap"));
-  return true;
-}
 
 void kda_prep_recurrence(const PrepRecurrenceArgs& a, Stream stream) {
   std::string why;
   if (!kda_prep_recurrence_supported(a, &why)) KDA_FAIL(kFunction, why);
   if (a.max_seqs == 0 || a.num_tokens == 0) return;
 
-  RecurrenceParams p{};
-  p.query_start_loc = a.query_start_loc;
-  p.cache_indices = a.cache_indices;
-  p.has_initial_state = a.has_initial_state;
-  p.null_line = a.null_line;
-  p.cache_lines = a.cache_lines;
-  p.num_tokens = a.num_tokens;
-  p.q = static_cast<const __nv_bfloat16*>(a.q);
-  p.k = static_cast<const __nv_bfloat16*>(a.k);
-  p.v = static_cast<const __nv_bfloat16*>(a.v);
-  p.qkv_stride = a.qkv_row_stride;
-  p.g1 = static_cast<const __nv_bfloat16*>(a.g1);
-  p.g1_stride = a.g1_row_stride;
-  p.b = static_cast<const __nv_bfloat16*>(a.b) + a.b_col_offset;
-  p.b_stride = a.b_row_stride;
-  p.a_log = a.a_log;
-  p.dt_bias = a.dt_bias;
-  p.lower_bound = a.gate_lower_bound ? static_cast<float>(*a.gate_lower_bound) : 0.0f;
-  p.states = a.states;
-  p.state_line = a.state_stride_line;
-  p.state_head = a.state_stride_head;
-  p.state_k = a.state_stride_k;
-  p.state_v = a.state_stride_v;
-  p.o = static_cast<__nv_bfloat16*>(a.o);
-  p.o_stride = a.o_row_stride;
-
-  const dim3 grid(static_cast<unsigned>(a.max_seqs),
-                  static_cast<unsigned>(a.num_heads * Traits::kSlices));
+  const RecurrenceParams p = recurrence::make_recurrence_params(a);
+  const dim3 grid(static_cast<unsigned>(p.max_seqs),
+                  static_cast<unsigned>(p.num_heads * Traits::kSlices));
   const dim3 block(Traits::kThreads);
-  switch (a.head_dim) {
-    case kHeadDim:
-      if (a.gate_lower_bound)
-        kda_prep_recurrence_kernel<true><<<grid, block, 0, stream>>>(p);
-      else
-        kda_prep_recurrence_kernel<false><<<grid, block, 0, stream>>>(p);
-      break;
-    default:
-      KDA_FAIL(kFunction, "head_dim ", a.head_dim, " is not supported; only 128 is");
-  }
+  // supported() admits head_dim 128 only, the one instance.
+  if (a.gate_lower_bound)
+    kda_prep_recurrence_kernel<true><<<grid, block, 0, stream>>>(p);
+  else
+    kda_prep_recurrence_kernel<false><<<grid, block, 0, stream>>>(p);
   KDA_CUDA_CHECK(kFunction, cudaGetLastError());
 }
 

@@ -8,7 +8,8 @@
 // on them, on max_seqs and on the head count, never on the batch: a launch can be captured in
 // a CUDA graph once and replayed with new query_start_loc / cache_indices / has_initial_state.
 // Each launcher checks its arguments with the matching *_supported() (which reads no device
-// memory) and throws kda::Error, enqueueing nothing, when they are unusable.
+// memory), builds the kernels' params once (recurrence_params.h, shared by both) and throws
+// kda::Error, enqueueing nothing, when the arguments are unusable.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +20,7 @@
 
 namespace kda {
 
-// Spec steps 4 and 5 per (sequence, head): L2-normalise q and k (eps 1e-6), q *= 128^-0.5,
+// Steps 4 and 5 (docs/layer.md) per (sequence, head): L2-normalise q and k (eps 1e-6), q *= 128^-0.5,
 // g = -exp(A_log[h]) * softplus(g1 + dt_bias) (or the lower-bound variant), beta = sigmoid(b),
 // then the gated delta rule token by token in fp32 from the pool line (zeros when the sequence
 // has no initial state) and the final state written back to that line.
@@ -66,8 +67,10 @@ struct PrepRecurrenceArgs {
   int64_t o_row_stride = 0;  // >= P
 };
 
+// True when both kernels can run `args` (the argument checks they share; kda_chunked_supported
+// adds the chunked grid's limits); otherwise false with the reason in *why. Reads no device
+// memory.
 bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& args, std::string* why = nullptr);
 void kda_prep_recurrence(const PrepRecurrenceArgs& args, Stream stream);
-
 
 }  // namespace kda

@@ -1,7 +1,7 @@
 // kda_chunked (the chunked KDA recurrence on tensor cores) on the GPU, against the float64
 // reference (kda::ref::prep_recurrence) and against the token-by-token kernel
-// kda_prep_recurrence, fed the same bf16 inputs, with each phase-2 kernel (KdaStateKernel).
-// KDA_TEST_QUICK=1 runs a reduced set (for compute-sanitizer).
+// kda_prep_recurrence, fed the same bf16 inputs. KDA_TEST_QUICK=1 runs a reduced set (for
+// compute-sanitizer).
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -24,19 +23,19 @@
 #include "recurrence/kda_recurrence.h"
 #include "testing/layer_reference.h"
 #include "support/gpu_buffers.h"
+#include "support/test_data.h"
 
 namespace {
 
 using kda::test::DeviceBuffer;
+using kda::test::kPoison16;
+using kda::test::quick_mode;
+using kda::test::random_bf16;
+using kda::test::random_floats;
+using kda::test::rel_frobenius;
 using kda::test::to_device;
 
 constexpr int64_t kD = 128;
-constexpr uint16_t kNanBf16 = 0xFFFF;  // what fill_bytes(0xFF) leaves: a NaN
-
-bool quick() {
-  const char* q = std::getenv("KDA_TEST_QUICK");
-  return q && std::strcmp(q, "1") == 0;
-}
 
 enum class Kind { Live, NullLine, OutsidePool };
 
@@ -148,16 +147,16 @@ struct Problem {
     // Keys either zero-mean (nearly orthogonal) or all positive-leaning, which makes them
     // strongly correlated: A's entries near beta, the harder case for the chunk's solve.
     const double lo = centred_keys ? -1.0 : -0.3, hi = centred_keys ? 1.0 : 1.2;
-    q = random_bf16(rng, bucket * qkv_stride, lo, hi);
-    k = random_bf16(rng, bucket * qkv_stride, lo, hi);
-    v = random_bf16(rng, bucket * qkv_stride, -1, 1);
-    g1 = random_bf16(rng, bucket * g1_stride, -1.5, 1.5);
-    b = random_bf16(rng, bucket * b_stride, -3, 3);
+    q = random_bf16(rng, static_cast<size_t>(bucket * qkv_stride), lo, hi);
+    k = random_bf16(rng, static_cast<size_t>(bucket * qkv_stride), lo, hi);
+    v = random_bf16(rng, static_cast<size_t>(bucket * qkv_stride), -1, 1);
+    g1 = random_bf16(rng, static_cast<size_t>(bucket * g1_stride), -1.5, 1.5);
+    b = random_bf16(rng, static_cast<size_t>(bucket * b_stride), -3, 3);
     // exp(A_log) in [e^-1, e] and softplus(g1 + dt_bias) <= softplus(1.5): decays per step in
     // about [exp(-5), 1); two channels per head sit past the softplus threshold (x > 20), so
     // they forget everything at every token (g about -60).
-    a_log = random_floats(rng, heads, -1, 1);
-    dt_bias = random_floats(rng, part, -4, 0);
+    a_log = random_floats(rng, static_cast<size_t>(heads), -1, 1);
+    dt_bias = random_floats(rng, static_cast<size_t>(part), -4, 0);
     for (int64_t hh = 0; hh < heads; ++hh) {
       dt_bias[static_cast<size_t>(hh * kD + 5)] = 25.0f;
       dt_bias[static_cast<size_t>(hh * kD + 77)] = 21.0f;
@@ -169,12 +168,12 @@ struct Problem {
     for (int64_t r = 0; r < bucket; ++r) {
       if (live[static_cast<size_t>(r)]) continue;
       for (auto* plane : {&q, &k, &v})
-        std::fill_n(plane->begin() + r * qkv_stride, qkv_stride, kNanBf16);
-      std::fill_n(g1.begin() + r * g1_stride, g1_stride, kNanBf16);
-      std::fill_n(b.begin() + r * b_stride, b_stride, kNanBf16);
+        std::fill_n(plane->begin() + r * qkv_stride, qkv_stride, kPoison16);
+      std::fill_n(g1.begin() + r * g1_stride, g1_stride, kPoison16);
+      std::fill_n(b.begin() + r * b_stride, b_stride, kPoison16);
     }
     // Lines of sequences without an initial state hold NaN: reading them would show.
-    pool0 = random_floats(rng, batch.cache_lines * layout.line, -0.5, 0.5);
+    pool0 = random_floats(rng, static_cast<size_t>(batch.cache_lines * layout.line), -0.5, 0.5);
     for (int64_t s : batch.processed) {
       if (batch.initial[s]) continue;
       const int64_t line = batch.lines[static_cast<size_t>(s)];
@@ -194,19 +193,6 @@ struct Problem {
     d_pool = DeviceBuffer(pool0.size() * sizeof(float));
     d_o = DeviceBuffer(static_cast<size_t>(bucket * o_stride) * sizeof(uint16_t));
     d_work = DeviceBuffer(std::max<size_t>(kda::kda_chunked_workspace_bytes(args()), 16));
-  }
-
-  static std::vector<uint16_t> random_bf16(std::mt19937_64& rng, int64_t n, double lo, double hi) {
-    std::uniform_real_distribution<double> dist(lo, hi);
-    std::vector<uint16_t> out(static_cast<size_t>(n));
-    for (auto& x : out) x = kda::ref::bf16_bits(dist(rng));
-    return out;
-  }
-  static std::vector<float> random_floats(std::mt19937_64& rng, int64_t n, double lo, double hi) {
-    std::uniform_real_distribution<double> dist(lo, hi);
-    std::vector<float> out(static_cast<size_t>(n));
-    for (auto& x : out) x = static_cast<float>(dist(rng));
-    return out;
   }
 
   kda::PrepRecurrenceArgs args() const {
@@ -242,9 +228,9 @@ struct Problem {
   }
 
   // Poisons o and the workspace, restores the starting pool, launches, waits.
-  void run_chunked(kda::KdaStateKernel kernel = kda::KdaStateKernel::Unsplit, kda::Stream stream = nullptr) {
+  void run_chunked(kda::Stream stream = nullptr) {
     reset();
-    kda::kda_chunked(args(), d_work.get(), d_work.bytes(), stream, kda::KdaChunkedPhases::Both, kernel);
+    kda::kda_chunked(args(), d_work.get(), d_work.bytes(), stream);
     kda::test::device_synchronize();
   }
   void run_simple() {
@@ -281,15 +267,6 @@ struct Problem {
     return r;
   }
 };
-
-double rel_frobenius(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
 
 struct Worst {
   double o = 0, state = 0;
@@ -346,7 +323,7 @@ Worst check_against(const Problem& pr, const Problem::Result& got, OAt want_o,
   for (int64_t r = 0; r < pr.bucket; ++r)
     for (int64_t c = 0; c < pr.o_stride; ++c)
       if ((!row_written[static_cast<size_t>(r)] || c >= pr.part) &&
-          got.o[static_cast<size_t>(r * pr.o_stride + c)] != kNanBf16)
+          got.o[static_cast<size_t>(r * pr.o_stride + c)] != kPoison16)
         ++o_changed;
   CHECK(o_changed == 0);
   int64_t pool_changed = 0;
@@ -369,16 +346,10 @@ Worst check_simple(const Problem& pr, const Problem::Result& got, const Problem:
       simple.pool, 1e-2, 5e-3);
 }
 
-// The phase-2 kernels; Original last (the others are compared with it).
-constexpr kda::KdaStateKernel kStateKernels[] = {kda::KdaStateKernel::KSplit, kda::KdaStateKernel::Unsplit,
-                                                 kda::KdaStateKernel::Specialized,
-                                                 kda::KdaStateKernel::Original};
-std::string kernel_name(kda::KdaStateKernel kernel) { return kda::kda_state_kernel_name(kernel); }
-
-std::string describe(const char* what, kda::KdaStateKernel kernel, int64_t heads, const std::optional<double>& bound,
+std::string describe(const char* what, int64_t heads, const std::optional<double>& bound,
                      const PoolLayout& layout, const Worst& ref, const Worst& simple) {
   std::ostringstream os;
-  os << what << " (" << kernel_name(kernel) << "), H " << heads << (bound ? ", lower bound, " : ", softplus, ")
+  os << what << ", H " << heads << (bound ? ", lower bound, " : ", softplus, ")
      << layout.name << ": worst relative error vs float64 o " << ref.o << ", state " << ref.state
      << "; vs kda_prep_recurrence o " << simple.o << ", state " << simple.state;
   return os.str();
@@ -387,9 +358,9 @@ std::string describe(const char* what, kda::KdaStateKernel kernel, int64_t heads
 }  // namespace
 
 TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kernel on varlen batches") {
-  const std::vector<int32_t> lengths = quick() ? std::vector<int32_t>{1, 16, 17, 65}
-                                               : std::vector<int32_t>{1, 15, 16, 17, 63, 64, 65, 1000};
-  const std::vector<int64_t> head_counts = quick() ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 12};
+  const std::vector<int32_t> lengths = quick_mode() ? std::vector<int32_t>{1, 16, 17, 65}
+                                                    : std::vector<int32_t>{1, 15, 16, 17, 63, 64, 65, 1000};
+  const std::vector<int64_t> head_counts = quick_mode() ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 12};
   for (int64_t heads : head_counts) {
     for (std::optional<double> bound : {std::optional<double>{}, std::optional<double>{-5.0}}) {
       for (bool transposed : {false, true}) {
@@ -404,45 +375,16 @@ TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kern
         pr.run_simple();
         const Problem::Result simple = pr.result();
         const Problem::Reference ref = pr.reference();
-        std::vector<Problem::Result> results;
-        for (kda::KdaStateKernel kernel : kStateKernels) {
-          const std::string name = kernel_name(kernel);
-          CAPTURE(name);
-          pr.run_chunked(kernel);
-          results.push_back(pr.result());
-          const Problem::Result& got = results.back();
-          const Worst vs_ref = check_reference(pr, got, ref);
-          const Worst vs_simple = check_simple(pr, got, simple);
-          MESSAGE(describe("varlen", kernel, heads, bound, layout, vs_ref, vs_simple));
+        pr.run_chunked();
+        const Problem::Result got = pr.result();
+        const Worst vs_ref = check_reference(pr, got, ref);
+        const Worst vs_simple = check_simple(pr, got, simple);
+        MESSAGE(describe("varlen", heads, bound, layout, vs_ref, vs_simple));
 
-          pr.run_chunked(kernel);  // from the same starting pool: bitwise the same
-          const Problem::Result again = pr.result();
-          CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
-          CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
-        }
-        // Against the first kernel: the same records, the key channels summed in another order
-        // (KSplit) or the same order (Unsplit and Specialized: the CPU emulation gives the same
-        // bits, and so must the GPU).
-        const Problem::Result& original = results.back();
-        for (size_t i = 0; i + 1 < results.size(); ++i) {
-          const std::string name = kernel_name(kStateKernels[i]);
-          CAPTURE(name);
-          const Worst vs_original = check_against(
-              pr, results[i],
-              [&](int64_t r, int64_t c) {
-                return kda::ref::bf16_value(original.o[static_cast<size_t>(r * pr.o_stride + c)]);
-              },
-              original.pool, 1e-3, 5e-4);
-          const auto o_bits = kda::test::diff_bits(results[i].o.data(), original.o.data(), original.o.size() * 2);
-          const auto pool_bits =
-              kda::test::diff_bits(results[i].pool.data(), original.pool.data(), original.pool.size() * 4);
-          MESSAGE(name, " vs Original: worst o difference ", vs_original.o, ", state ", vs_original.state,
-                  "; differing bits: o ", o_bits, ", pool ", pool_bits);
-          if (kStateKernels[i] == kda::KdaStateKernel::Unsplit || kStateKernels[i] == kda::KdaStateKernel::Specialized) {
-            CHECK(o_bits == 0);
-            CHECK(pool_bits == 0);
-          }
-        }
+        pr.run_chunked();  // from the same starting pool: bitwise the same
+        const Problem::Result again = pr.result();
+        CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
+        CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
       }
     }
   }
@@ -457,7 +399,7 @@ TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
     std::optional<double> bound;
   };
   std::vector<Case> cases;
-  if (quick()) {
+  if (quick_mode()) {
     cases.push_back({{4096}, 1, std::nullopt});
   } else {
     cases.push_back({{16384}, 2, std::nullopt});
@@ -473,16 +415,12 @@ TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
     pr.run_simple();
     const Problem::Result simple = pr.result();
     const Problem::Reference ref = pr.reference();
-    for (kda::KdaStateKernel kernel : kStateKernels) {
-      const std::string name = kernel_name(kernel);
-      CAPTURE(name);
-      pr.run_chunked(kernel);
-      const Problem::Result got = pr.result();
-      const Worst vs_ref = check_reference(pr, got, ref);
-      const Worst vs_simple = check_simple(pr, got, simple);
-      MESSAGE(describe(cs.lengths.size() == 1 ? "one long sequence" : "16 x 1024", kernel, cs.heads, cs.bound,
-                       contiguous(cs.heads), vs_ref, vs_simple));
-    }
+    pr.run_chunked();
+    const Problem::Result got = pr.result();
+    const Worst vs_ref = check_reference(pr, got, ref);
+    const Worst vs_simple = check_simple(pr, got, simple);
+    MESSAGE(describe(cs.lengths.size() == 1 ? "one long sequence" : "16 x 1024", cs.heads, cs.bound,
+                     contiguous(cs.heads), vs_ref, vs_simple));
   }
 }
 
@@ -559,15 +497,10 @@ TEST_CASE("kda_chunked with bad arguments or workspace throws and enqueues nothi
     work = static_cast<char*>(work) + 8;
     expected = "16-byte aligned";
   }
-  kda::KdaStateKernel kernel = kda::KdaStateKernel::KSplit;
-  SUBCASE("unknown state kernel") {
-    kernel = static_cast<kda::KdaStateKernel>(7);
-    expected = "state_kernel";
-  }
-  CHECK_THROWS_WITH_AS(kda::kda_chunked(a, work, bytes, nullptr, kda::KdaChunkedPhases::Both, kernel),
+  CHECK_THROWS_WITH_AS(kda::kda_chunked(a, work, bytes, nullptr, kda::KdaChunkedPhases::Both),
                        doctest::Contains(expected.c_str()), kda::Error);
   kda::test::device_synchronize();
   const Problem::Result after = pr.result();
-  CHECK(std::count(after.o.begin(), after.o.end(), kNanBf16) == static_cast<std::ptrdiff_t>(after.o.size()));
+  CHECK(std::count(after.o.begin(), after.o.end(), kPoison16) == static_cast<std::ptrdiff_t>(after.o.size()));
   CHECK(kda::test::diff_bits(after.pool.data(), pr.pool0.data(), after.pool.size() * 4) == 0);
 }

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -22,33 +21,19 @@
 #include "recurrence/kda_recurrence.h"
 #include "testing/layer_reference.h"
 #include "support/gpu_buffers.h"
+#include "support/test_data.h"
 
 namespace {
 
 using kda::test::DeviceBuffer;
+using kda::test::kPoison16;
+using kda::test::quick_mode;
+using kda::test::random_bf16;
+using kda::test::random_floats;
+using kda::test::rel_frobenius;
 using kda::test::to_device;
 
 constexpr int64_t kD = 128;
-constexpr uint16_t kPoisonBf16 = 0xFFFF;  // what fill_bytes(0xFF) leaves: a NaN
-
-bool quick() {
-  const char* q = std::getenv("KDA_TEST_QUICK");
-  return q && std::strcmp(q, "1") == 0;
-}
-
-std::vector<uint16_t> random_bf16(std::mt19937_64& rng, size_t n, double lo, double hi) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = kda::ref::bf16_bits(dist(rng));
-  return v;
-}
-
-std::vector<float> random_floats(std::mt19937_64& rng, size_t n, double lo, double hi) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(dist(rng));
-  return v;
-}
 
 template <typename T>
 std::vector<T> download(const DeviceBuffer& b) {
@@ -268,15 +253,6 @@ struct RecurrenceProblem {
   }
 };
 
-double rel_frobenius(const std::vector<double>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 struct WorstErrors {
   double o = 0, state = 0;
 };
@@ -330,7 +306,7 @@ WorstErrors check_recurrence(const RecurrenceProblem& pr, const RecurrenceProble
   for (int64_t r = 0; r < pr.bucket; ++r)
     for (int64_t c = 0; c < pr.o_stride; ++c)
       if ((!row_written[static_cast<size_t>(r)] || c >= pr.part) &&
-          o[static_cast<size_t>(r * pr.o_stride + c)] != kPoisonBf16)
+          o[static_cast<size_t>(r * pr.o_stride + c)] != kPoison16)
         ++o_changed;
   CHECK(o_changed == 0);
   // Pool: every element outside the processed lines' states (other lines, holes) is unchanged.
@@ -344,9 +320,9 @@ WorstErrors check_recurrence(const RecurrenceProblem& pr, const RecurrenceProble
 }  // namespace
 
 TEST_CASE("kda_prep_recurrence matches the float64 reference on varlen batches") {
-  const std::vector<int32_t> lengths = quick() ? std::vector<int32_t>{1, 16, 17, 65}
+  const std::vector<int32_t> lengths = quick_mode() ? std::vector<int32_t>{1, 16, 17, 65}
                                                : std::vector<int32_t>{1, 15, 16, 17, 63, 64, 65, 1000};
-  const std::vector<int64_t> head_counts = quick() ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 12};
+  const std::vector<int64_t> head_counts = quick_mode() ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 12};
   for (int64_t heads : head_counts) {
     for (std::optional<double> bound : {std::optional<double>{}, std::optional<double>{-5.0}}) {
       for (bool transposed : {false, true}) {
@@ -433,7 +409,7 @@ TEST_CASE("kda_prep_recurrence with bad arguments throws and enqueues nothing") 
   CHECK_THROWS_AS(kda::kda_prep_recurrence(a, nullptr), kda::Error);
   kda::test::device_synchronize();
   const auto o = download<uint16_t>(pr.d_o);
-  CHECK(std::count(o.begin(), o.end(), kPoisonBf16) == static_cast<std::ptrdiff_t>(o.size()));
+  CHECK(std::count(o.begin(), o.end(), kPoison16) == static_cast<std::ptrdiff_t>(o.size()));
   const auto pool = download<float>(pr.d_pool);
   CHECK(kda::test::diff_bits(pool.data(), pr.pool0.data(), pool.size() * 4) == 0);
 }
@@ -493,7 +469,7 @@ struct RmsNormProblem {
 }  // namespace
 
 TEST_CASE("gated_rmsnorm matches the float64 reference to bf16 rounding on every element") {
-  const std::vector<int32_t> lengths = quick() ? std::vector<int32_t>{5, 17, 64}
+  const std::vector<int32_t> lengths = quick_mode() ? std::vector<int32_t>{5, 17, 64}
                                                : std::vector<int32_t>{1, 15, 16, 17, 63, 64, 65, 1000};
   for (int64_t heads : {int64_t{2}, int64_t{12}}) {
     for (bool use_qsl : {true, false}) {
@@ -519,7 +495,7 @@ TEST_CASE("gated_rmsnorm matches the float64 reference to bf16 rounding on every
         for (int64_t c = 0; c < pr.y_stride; ++c) {
           const uint16_t bits = y[static_cast<size_t>(r * pr.y_stride + c)];
           if (r >= rows_written || c >= pr.part) {
-            untouched_changed += bits != kPoisonBf16;
+            untouched_changed += bits != kPoison16;
             continue;
           }
           const double g = kda::ref::bf16_value(bits), e = ref.at(r, c);
@@ -551,5 +527,5 @@ TEST_CASE("gated_rmsnorm with bad arguments throws and enqueues nothing") {
   CHECK_THROWS_AS(kda::gated_rmsnorm(a, nullptr), kda::Error);
   kda::test::device_synchronize();
   const auto y = download<uint16_t>(pr.d_y);
-  CHECK(std::count(y.begin(), y.end(), kPoisonBf16) == static_cast<std::ptrdiff_t>(y.size()));
+  CHECK(std::count(y.begin(), y.end(), kPoison16) == static_cast<std::ptrdiff_t>(y.size()));
 }

@@ -1,0 +1,147 @@
+// The host side shared by the two recurrence kernels: kda_prep_recurrence_supported() (the
+// argument checks of the op) and make_recurrence_params(). Plain C++, no CUDA.
+#include "recurrence/recurrence_params.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "common/check.h"
+#include "common/varlen_map.h"
+#include "recurrence/kda_recurrence.h"
+
+namespace kda {
+namespace {
+
+bool aligned_to(const void* ptr, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
+}
+
+// Whether (size, stride) dimensions map distinct indices to distinct elements: sorted by
+// stride, each stride must step past everything the smaller ones span.
+bool strides_disjoint(std::array<std::pair<int64_t, int64_t>, 4> dims) {
+  std::sort(dims.begin(), dims.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  int64_t extent = 1;
+  for (const auto& [size, stride] : dims) {
+    if (size <= 1) continue;
+    if (stride < extent) return false;
+    if (stride > (std::numeric_limits<int64_t>::max() - extent) / (size - 1)) return false;
+    extent += stride * (size - 1);
+  }
+  return true;
+}
+
+// `bf16` advanced by `elements` 2-byte elements (the type is incomplete on the host).
+const __nv_bfloat16* bf16_offset(const void* bf16, int64_t elements) {
+  return static_cast<const __nv_bfloat16*>(
+      static_cast<const void*>(static_cast<const unsigned char*>(bf16) + 2 * elements));
+}
+
+}  // namespace
+
+bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why) {
+  using detail::fail;
+  using detail::str_cat;
+  using recurrence::kHeadDim;
+  using recurrence::kMaxHeads;
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  if (a.head_dim != kHeadDim)
+    return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
+  if (a.num_heads < 1 || a.num_heads > kMaxHeads)
+    return fail(why, str_cat("num_heads ", a.num_heads, " is outside [1, ", kMaxHeads,
+                             "] (the grid has ", recurrence::kTokenSlices,
+                             " blocks per head in y)"));
+  if (a.num_tokens < 0 || a.num_tokens > kInt32Max)
+    return fail(why, str_cat("num_tokens ", a.num_tokens, " is outside [0, 2^31 - 1]"));
+  if (a.max_seqs < 0 || a.max_seqs > kInt32Max)
+    return fail(why, str_cat("max_seqs ", a.max_seqs, " is outside [0, 2^31 - 1]"));
+  if (a.cache_lines < 0 || a.cache_lines > kInt32Max + 1)
+    return fail(why, str_cat("cache_lines ", a.cache_lines, " is outside [0, 2^31]"));
+  if (!a.query_start_loc || !a.cache_indices)
+    return fail(why, "query_start_loc and cache_indices must be set");
+  if (!a.q || !a.k || !a.v || !a.g1 || !a.b)
+    return fail(why, "q, k, v, g1 and b must be set");
+  if (!a.a_log || !a.dt_bias) return fail(why, "a_log and dt_bias must be set");
+  if (!a.states) return fail(why, "states (the recurrent-state pool) must be set");
+  if (!a.o) return fail(why, "o must be set");
+
+  const int64_t part_dim = a.num_heads * kHeadDim;
+  if (a.qkv_row_stride < part_dim || a.qkv_row_stride % 4 != 0)
+    return fail(why, str_cat("qkv_row_stride ", a.qkv_row_stride, " must be >= P = ", part_dim,
+                             " and a multiple of 4 (the prep reads 4 bf16 at a time)"));
+  if (a.g1_row_stride < part_dim || a.g1_row_stride % 4 != 0)
+    return fail(why, str_cat("g1_row_stride ", a.g1_row_stride, " must be >= P = ", part_dim,
+                             " and a multiple of 4"));
+  if (!aligned_to(a.q, 8) || !aligned_to(a.k, 8) || !aligned_to(a.g1, 8))
+    return fail(why, "q, k and g1 must be 8-byte aligned (the prep reads 4 bf16 at a time)");
+  if (!aligned_to(a.v, 2) || !aligned_to(a.b, 2) || !aligned_to(a.o, 2))
+    return fail(why, "v, b and o must be aligned to their 2-byte bf16 elements");
+  if (!aligned_to(a.a_log, 4) || !aligned_to(a.dt_bias, 4) || !aligned_to(a.states, 4))
+    return fail(why, "a_log, dt_bias and states must be aligned to their 4-byte elements");
+  if (a.b_col_offset < 0 || a.b_row_stride < a.b_col_offset + a.num_heads)
+    return fail(why, str_cat("the b columns [", a.b_col_offset, ", ",
+                             a.b_col_offset + a.num_heads, ") do not fit in b_row_stride ",
+                             a.b_row_stride));
+  if (a.o_row_stride < part_dim)
+    return fail(why, str_cat("o_row_stride ", a.o_row_stride, " is below P = ", part_dim));
+  if (a.gate_lower_bound &&
+      (!std::isfinite(*a.gate_lower_bound) || !(*a.gate_lower_bound < 0.0)))
+    return fail(why, str_cat("gate_lower_bound ", *a.gate_lower_bound,
+                             " must be finite and negative"));
+  if (a.state_stride_line <= 0 || a.state_stride_head <= 0 || a.state_stride_k <= 0 ||
+      a.state_stride_v <= 0)
+    return fail(why, "the state strides (line, head, k, v) must be positive");
+  if (!strides_disjoint({{{a.cache_lines, a.state_stride_line},
+                          {a.num_heads, a.state_stride_head},
+                          {kHeadDim, a.state_stride_k},
+                          {kHeadDim, a.state_stride_v}}}))
+    return fail(why, str_cat("the state strides (line ", a.state_stride_line, ", head ",
+                             a.state_stride_head, ", k ", a.state_stride_k, ", v ",
+                             a.state_stride_v, ") make state elements overlap"));
+  return true;
+}
+
+namespace recurrence {
+
+RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* workspace) {
+  RecurrenceParams p{};
+  p.query_start_loc = a.query_start_loc;
+  p.cache_indices = a.cache_indices;
+  p.has_initial_state = a.has_initial_state;
+  p.null_line = a.null_line;
+  p.cache_lines = a.cache_lines;
+  p.num_tokens = a.num_tokens;
+  p.max_seqs = a.max_seqs;
+  p.num_heads = static_cast<int>(a.num_heads);
+  p.q = static_cast<const __nv_bfloat16*>(a.q);
+  p.k = static_cast<const __nv_bfloat16*>(a.k);
+  p.v = static_cast<const __nv_bfloat16*>(a.v);
+  p.qkv_stride = a.qkv_row_stride;
+  p.g1 = static_cast<const __nv_bfloat16*>(a.g1);
+  p.g1_stride = a.g1_row_stride;
+  p.b = bf16_offset(a.b, a.b_col_offset);
+  p.b_stride = a.b_row_stride;
+  p.a_log = a.a_log;
+  p.dt_bias = a.dt_bias;
+  p.lower_bound = a.gate_lower_bound ? static_cast<float>(*a.gate_lower_bound) : 0.0f;
+  p.states = a.states;
+  p.state_line = a.state_stride_line;
+  p.state_head = a.state_stride_head;
+  p.state_k = a.state_stride_k;
+  p.state_v = a.state_stride_v;
+  p.o = static_cast<__nv_bfloat16*>(a.o);
+  p.o_stride = a.o_row_stride;
+  p.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
+  p.search_steps = varlen::search_steps(a.max_seqs);
+  p.search_stride = varlen::search_stride(p.search_steps);
+  p.workspace = static_cast<unsigned char*>(workspace);
+  return p;
+}
+
+}  // namespace recurrence
+}  // namespace kda

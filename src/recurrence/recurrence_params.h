@@ -1,0 +1,74 @@
+// The kernel-facing parameters of the KDA recurrence, one struct for both kernels of
+// kda_recurrence.h (kda_prep_recurrence, token by token, and kda_chunked), built once per
+// launch by make_recurrence_params() from PrepRecurrenceArgs that passed
+// kda_prep_recurrence_supported() (the argument checks both kernels share).
+// CUDA-free: host code and the CPU emulation tests include it; recurrence_params.cpp defines
+// the functions.
+#pragma once
+
+#include <cstdint>
+
+#include "recurrence/kda_chunked.h"
+#include "recurrence/kda_recurrence.h"
+
+// cuda_bf16.h's bf16 type, declared here as that header declares it: host code only stores
+// and passes on pointers to it; the kernels include cuda_bf16.h and do the arithmetic.
+struct __nv_bfloat16;
+
+namespace kda::recurrence {
+
+constexpr int kHeadDim = 128;    // K = V, the one head size the kernels have
+constexpr int kChunkShift = 6;   // kda_chunked's chunk: 64 tokens
+static_assert((int64_t{1} << kChunkShift) == kKdaChunk, "kda_chunked.h's chunk length");
+// kda_prep_recurrence's grid has kTokenSlices blocks per head in y (<= 65535); both kernels
+// accept the same head counts, so that a caller may run either on the same arguments.
+constexpr int kTokenSlices = 4;
+constexpr int64_t kMaxHeads = 65535 / kTokenSlices;
+
+// PrepRecurrenceArgs as the kernels read them: typed pointers, b offset to its columns, the
+// gate's lower bound as fp32, and the varlen map's launch facts of the chunked kernel. Element
+// strides throughout.
+struct RecurrenceParams {
+  // Batch metadata (capacities: the grids depend on them only).
+  const int32_t* query_start_loc;
+  const int32_t* cache_indices;
+  const bool* has_initial_state;  // nullptr: no sequence has an initial state
+  int32_t null_line;
+  int64_t cache_lines;
+  int64_t num_tokens;
+  int64_t max_seqs;
+  int num_heads;
+
+  // Inputs.
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  int64_t qkv_stride;
+  const __nv_bfloat16* g1;
+  int64_t g1_stride;
+  const __nv_bfloat16* b;  // already offset to the b columns: head h is b[t * b_stride + h]
+  int64_t b_stride;
+  const float* a_log;
+  const float* dt_bias;
+  float lower_bound;  // the bounded gate's bound; read only by the kernels instantiated for it
+
+  // The state pool and the output.
+  float* states;
+  int64_t state_line, state_head, state_k, state_v;
+  __nv_bfloat16* o;
+  int64_t o_stride;
+
+  // kda_chunked only: chunk slots (common/varlen_map.h, 64-token chunks), the radix search
+  // over query_start_loc, and the workspace of per-(slot, head) records.
+  int64_t slots;  // (num_tokens >> 6) + max_seqs
+  int search_steps;
+  int64_t search_stride;
+  unsigned char* workspace;  // nullptr for kda_prep_recurrence
+};
+
+// The params of `args` (which passed kda_prep_recurrence_supported()); `workspace` is
+// kda_chunked's, nullptr for kda_prep_recurrence. Reads no device memory.
+RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& args,
+                                        void* workspace = nullptr);
+
+}  // namespace kda::recurrence
