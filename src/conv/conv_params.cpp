@@ -42,16 +42,6 @@ int default_vec(const PackedConvArgs& args) {
   return 1;
 }
 
-int default_chunk_len(int64_t num_tokens, int64_t dim) {
-  // Measured on the H200 (bench_conv_tunings, docs/perf-notes.md): 16-token programs beat 32 and
-  // 64 at 2048 x 1 (18.9 vs 22.9 / 37.2 us) and at 16384 x 256 (109 vs 129 / 138 us). A program's
-  // fixed cost (radix search, first loads) is latency that more programs in flight hide better
-  // than longer streams do. Arguments kept for shape-dependent choices.
-  (void)num_tokens;
-  (void)dim;
-  return 16;
-}
-
 int default_chunks_per_cta(int64_t num_tokens) {
   return num_tokens >= 4096 ? 2 : 1;
 }
@@ -62,7 +52,7 @@ int default_warps_per_cta(int64_t num_tokens, int64_t cols_per_plane) {
   return warps;
 }
 
-std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
+std::string check_tuning_values(const PackedConvArgs& args, const ConvTuning& tuning) {
   if (tuning.vec != 0) {
     if (tuning.vec != 8 && tuning.vec != 4 && tuning.vec != 2 && tuning.vec != 1)
       return detail::str_cat("vec ", tuning.vec, " is not one of 8, 4, 2, 1 (or 0 for the default)");
@@ -96,8 +86,14 @@ std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
     return detail::str_cat("warps_per_cta ", warps, " with vec ", vec, " needs ",
                            warps * staging_bytes_per_warp(32 * vec),
                            " bytes of shared memory, more than ", kMaxStagingBytes);
-  if (args.num_tokens > 0 && args.num_seqs > 0) return check_grid(make_params(args, tuning));
   return {};
+}
+
+std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
+  std::string why = check_tuning_values(args, tuning);
+  if (why.empty() && args.num_tokens > 0 && args.num_seqs > 0)
+    why = check_grid(make_params(args, tuning));
+  return why;
 }
 
 std::string check_grid(const PackedConvParams& p) {
@@ -146,14 +142,13 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   p.tile = 32 * p.vec;
   p.num_col_blocks = args.dim / p.tile;
-  const int chunk = tuning.chunk_len != 0 ? tuning.chunk_len
-                                          : default_chunk_len(args.num_tokens, args.dim);
+  const int chunk = tuning.chunk_len != 0 ? tuning.chunk_len : kDefaultChunkLen;
   p.chunk_shift = log2_exact(chunk);
-  p.search_steps = search_steps(args.num_seqs);
-  p.search_stride = search_stride(p.search_steps);
+  p.search_steps = varlen::search_steps(args.num_seqs);
+  p.search_stride = varlen::search_stride(p.search_steps);
   p.planes = args.dim / args.part_dim;
   p.cols_per_plane = args.part_dim / p.tile;
-  p.programs_per_col_block = programs_per_col_block(args.num_tokens, args.num_seqs, p.chunk_shift);
+  p.programs_per_col_block = varlen::slot_count(args.num_tokens, args.num_seqs, p.chunk_shift);
   p.num_programs = p.programs_per_col_block * p.num_col_blocks;
   p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta
                                              : default_warps_per_cta(args.num_tokens, p.cols_per_plane);

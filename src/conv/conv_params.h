@@ -59,12 +59,10 @@ struct PackedConvParams {
   // programs x * chunks_per_cta + j (j < chunks_per_cta, < programs_per_col_block) one after
   // another, on column blocks y * warps_per_cta + w (w < warps_per_cta, < cols_per_plane) of
   // plane z. Every warp searches its first chunk itself (no barrier: a warp that waited for
-  // another's search started its row loads later, 1-3% slower, docs/perf-notes.md session 7)
-  // and derives the next ones without a search up to a sequence boundary (carrying its history
-  // there); no program index is ever divided. Chunk programs vary fastest, so the CTAs in
-  // flight read a band of columns over many rows; the opposite order (a whole row's column
-  // groups next to each other, as a copy reads) measured 2-4% slower at every benchmark shape
-  // (docs/perf-notes.md, "Session 3: CTA order and a register cap").
+  // another's search would start its row loads later) and derives the next ones without a
+  // search up to a sequence boundary (carrying its history there); no program index is ever
+  // divided. Chunk programs vary fastest, so the CTAs in flight read a band of columns over
+  // many rows rather than a whole row's column groups next to each other (docs/perf.md).
   int chunks_per_cta = 1;
   int64_t cta_programs = 0;          // ceil(programs_per_col_block / chunks_per_cta)
   int64_t col_groups_per_plane = 0;  // ceil(cols_per_plane / warps_per_cta)
@@ -72,7 +70,7 @@ struct PackedConvParams {
 };
 
 // CUDA's grid limits: a launch beyond them is refused by check_grid (in supported(),
-// check_tuning() and the launcher).
+// check_tuning() and the launcher, each on the params it builds).
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kMaxGridX = 2147483647;
 
@@ -82,29 +80,28 @@ std::string check_grid(const PackedConvParams& p);
 // The default vector width (channels per lane): the widest of 4, 2, 1 such that 32 * vec
 // divides part_dim and the x pointer, the x row stride in bytes, the out pointer and the out
 // plane stride in bytes are multiples of min(16, vec * element size). vec 4 (128-channel
-// tiles, 8-byte bf16 accesses) rather than 8: it fits in 128 registers (vec 8 takes 204-212),
-// so 16 instead of 8 warps fit an SM, with the same bytes in flight per warp; vec 8 with
-// 8-token chunks measured 1.5x slower at 16384 x 1 (bench_conv_tunings, session 6). vec 8 is
-// available through ConvTuning. Narrower vectors give the same bits.
+// tiles, 8-byte bf16 accesses) rather than 8: it fits in 128 registers, so twice as many
+// warps fit an SM as with vec 8, with the same bytes in flight per warp (docs/perf.md). vec 8
+// is available through ConvTuning. Narrower vectors give the same bits.
 int default_vec(const PackedConvArgs& args);
 
 // Consecutive chunk programs per CTA when not forced: 2 from 4096 tokens of capacity, else 1.
 // A warp that runs the next chunk of its sequence carries the last 3 rows instead of reading
 // them again and skips the search, the taps and the cache line; below 4096 tokens halving the
-// CTAs costs more (H200, bench_conv_tunings: docs/perf-notes.md, "chunks per CTA"). Like the
-// chunk length it depends on capacities only, so a captured grid stays valid.
+// CTAs costs more than that saves (docs/perf.md). Like the chunk length it depends on
+// capacities only, so a captured grid stays valid.
 int default_chunks_per_cta(int64_t num_tokens);
 
-// Tokens per program: 16, the fastest of 16/32/64/128 on the H200 at both 2048 x 1 and
-// 16384 x 256 (bench_conv_tunings). It may depend on capacities and dim only, never on the
-// pointer alignment that picks the vector width, so that a captured grid stays valid.
-int default_chunk_len(int64_t num_tokens, int64_t dim);
+// Tokens per program when not forced: one length for every shape (docs/perf.md: a program's
+// fixed cost, the radix search and the first loads, is latency that more programs in flight
+// hide better than longer streams do). Never derived from the pointer alignment that picks
+// the vector width, so a captured grid stays valid.
+constexpr int kDefaultChunkLen = 16;
 
 // Warps per CTA when not forced: 2 below 4096 tokens of capacity (where a CTA runs one chunk
 // program), else 4; halved while it does not divide a plane's cols_per_plane column blocks (so
-// no warp of the grid idles). With one program per CTA, 2-warp CTAs measured 2% faster than
-// 4-warp ones at 2048 x 1 in three runs on the H200 (bench_conv_tunings, docs/perf-notes.md,
-// session 6); from 4096 tokens 4 and 2 are within 1%. Capacities only: graph-safe.
+// no warp of the grid idles). With one program per CTA the smaller CTAs schedule better
+// (docs/perf.md). Capacities only: graph-safe.
 int default_warps_per_cta(int64_t num_tokens, int64_t cols_per_plane);
 constexpr int kMaxWarpsPerCta = 8;
 
@@ -115,16 +112,28 @@ constexpr int staging_floats_per_warp(int tile) { return 7 * staging_pitch(tile)
 constexpr int64_t staging_bytes_per_warp(int tile) { return staging_floats_per_warp(tile) * 4; }
 constexpr int64_t kMaxStagingBytes = 48 * 1024;
 
-// Empty when `tuning` can run `args`, otherwise why not (a sentence naming the allowed values).
+// The checks of packed_causal_conv1d_supported() that need no launch shape: true when the
+// kernel runs `args` bit for bit whatever the grid; otherwise false with the reason in *why.
+// Reads no device memory. supported() adds check_grid() of the default shape.
+bool args_supported(const PackedConvArgs& args, std::string* why);
+
+// Empty when the forced values of `tuning` are kernel instances that fit `args` (vector
+// alignment, shared memory), otherwise why not (a sentence naming the allowed values). The
+// grid is not checked: that is check_grid()'s, on the params of the launch.
+std::string check_tuning_values(const PackedConvArgs& args, const ConvTuning& tuning);
+
+// check_tuning_values(), then (for a non-empty batch) check_grid() of the params `tuning`
+// gives: empty when `tuning` can run `args`.
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning);
 
-// Params for args that passed packed_causal_conv1d_supported() and a tuning that passed
-// check_tuning(); zero fields of tuning take the defaults.
+// Params for args that passed args_supported() and a tuning that passed
+// check_tuning_values(); zero fields of tuning take the defaults. The grid is check_grid()'s.
 PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tuning = {});
 
-// Enqueues the kernel with a forced tuning (for benchmarks and tests of every instance). Throws
-// kda::Error ("kda::conv::launch_packed_conv") when the args are unsupported or the tuning is
-// invalid; enqueues nothing then. packed_causal_conv1d(args, s) is launch_packed_conv(args, {}, s).
+// Enqueues the kernel with a forced tuning (for benchmarks and tests of every instance):
+// args_supported(), check_tuning_values(), then the params built once, check_grid() on them and
+// the launch. Throws kda::Error ("kda::conv::launch_packed_conv") when a check fails; enqueues
+// nothing then. packed_causal_conv1d(args, s) is launch_packed_conv(args, {}, s).
 void launch_packed_conv(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream);
 
 }  // namespace kda::conv

@@ -27,9 +27,8 @@ constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
 // with plain loads because the same warp writes it.
 //
 // Results are stored streaming (st.global.cs, evict first from L1 and L2): the kernel never
-// reads them again; our reading is that L2 then keeps more of the row stream (the seed rows
-// that neighbouring programs re-read). Side by side with plain stores 0-0.7% faster at every
-// benchmark shape (docs/perf-notes.md, session 8).
+// reads them again, and L2 keeps more of the row stream (the seed rows that neighbouring
+// programs re-read; docs/perf.md).
 struct DeviceOps {
   float* stage_area;
 
@@ -145,7 +144,7 @@ packed_conv_kernel(const PackedConvParams p) {
   DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
                 warp * staging_floats_per_warp(Traits::kTile)};
   const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
-  const ProgramChunk first = locate_chunk(p, first_program, lane, ops);
+  const varlen::SlotChunk first = locate_chunk(p, first_program, lane, ops);
   packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
                                                 blockIdx.z, plane_col_block, lane, ops);
 }
@@ -183,14 +182,14 @@ void launch_for_vec(const PackedConvParams& p, cudaStream_t stream, const char* 
 
 void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
          const char* function) {
+  // The checks that need no launch shape, then the params of this launch, built once, and the
+  // grid check on them (a launch past CUDA's limits would fail silently in a captured graph).
   std::string why;
-  if (!packed_causal_conv1d_supported(args, &why)) KDA_FAIL(function, why);
-  why = check_tuning(args, tuning);
+  if (!args_supported(args, &why)) KDA_FAIL(function, why);
+  why = check_tuning_values(args, tuning);
   if (!why.empty()) KDA_FAIL(function, why);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
   const PackedConvParams p = make_params(args, tuning);
-  // supported() and check_tuning() refused grids past CUDA's limits; checked again here because
-  // a launch past them would fail silently in a captured graph.
   why = check_grid(p);
   if (!why.empty()) KDA_FAIL(function, why);
   const auto s = static_cast<cudaStream_t>(stream);

@@ -14,8 +14,8 @@
 //   uint32_t ballot(bool pred)             int32_t shfl(int32_t v, int src_lane)   void syncwarp()
 //   float* stage()                         this warp's staging area (staging_floats_per_warp)
 //
-// A program is a (sequence, token chunk) of the program map (common/varlen_map.h) times a tile of
-// 32 * vec channels inside one output plane; one warp runs chunks_per_cta consecutive programs
+// A program is a chunk slot (a (sequence, token chunk) of the varlen map, common/varlen_map.h)
+// times a tile of 32 * vec channels inside one output plane; one warp runs chunks_per_cta consecutive programs
 // of one tile (packed_conv_programs), searching with locate_chunk only at sequence boundaries.
 // Each lane owns vec adjacent channels: it keeps their taps, bias and 3 history rows in
 // registers across its programs and streams each chunk's rows through a register queue of
@@ -280,9 +280,9 @@ struct TileStaging {
 // warp (common/varlen_map.h's radix search). It is the same for every column block, so the kernel
 // runs it once per CTA and shares it.
 template <class Ops>
-KDA_HOST_DEVICE KDA_INLINE ProgramChunk locate_chunk(const PackedConvParams& p, int64_t chunk_program,
+KDA_HOST_DEVICE KDA_INLINE varlen::SlotChunk locate_chunk(const PackedConvParams& p, int64_t chunk_program,
                                                      int lane, Ops& ops) {
-  return locate_program_warp(
+  return varlen::locate_slot_warp(
       p.num_seqs, p.chunk_shift, p.search_steps, p.search_stride, chunk_program, lane,
       [&](int64_t i) { return ops.load_i32_ro(p.query_start_loc + i); },
       [&](bool pred) { return ops.ballot(pred); },
@@ -336,8 +336,8 @@ KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_
   using Taps = TileStaging<Traits::kTile, Traits::kVec, 4>;
   // The dense (dim, 4) layout, 16-byte aligned: channel c's 4 taps are one vector and the lane's
   // kVec vectors are contiguous (the warp reads one contiguous block), so each lane loads its
-  // own, with no staging and no syncwarp between the row loads and the cache-line load: 1-6%
-  // faster than the staged walk (docs/perf-notes.md, session 7). Warp-uniform condition.
+  // own, with no staging and no syncwarp between the row loads and the cache-line load (the
+  // staged walk is slower: docs/perf.md). Warp-uniform condition.
   if (p.weight_stride_dim == 4 && p.weight_stride_tap == 1 &&
       (reinterpret_cast<uintptr_t>(p.weight) & 15u) == 0) {
     KDA_UNROLL
@@ -375,7 +375,7 @@ KDA_HOST_DEVICE KDA_INLINE void load_lane_taps(const PackedConvParams& p, int64_
 // pc.begin (it ran chunk pc.chunk - 1 of the same sequence just before), so the 3 seed rows are
 // not read again. Returns true when the chunk ran, and then `hist` holds its last 3 rows.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
-KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, const ProgramChunk& pc,
+KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, const varlen::SlotChunk& pc,
                                                   int64_t plane, int64_t plane_col_block, int lane,
                                                   LaneTaps<Traits::kVec>& taps, bool& taps_loaded,
                                                   LaneHistory<Traits::kVec>& hist, bool carried,
@@ -409,12 +409,12 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   const int rows = static_cast<int>(pc.end - pc.begin);
   const int64_t len = pc.seq_end - pc.seq_begin;  // >= rows >= 1
 
-  // Start-up. Every x load depends only on the program map, so all of them are issued first:
+  // Start-up. Every x load depends only on the varlen map, so all of them are issued first:
   // the rows that seed the history (chunk 0: the sequence's last 3 rows, for the new state;
   // later chunks, unless carried: the 3 rows before the chunk, inside the sequence because
   // chunks are >= 8 tokens) and the first kQueue rows of the main loop. The cache line and the
   // old state load while those are in flight (a program's fixed latency is what limits short
-  // programs: docs/perf-notes.md). A skipped sequence's x loads are dropped unused.
+  // programs: docs/perf.md). A skipped sequence's x loads are dropped unused.
   Row seed1{}, seed2{}, seed3{};
   if (!carried) {
     const int64_t seed_end = pc.chunk == 0 ? pc.seq_end : pc.begin;
@@ -517,7 +517,7 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   };
   if (rows == kQueue) {
     // A full chunk of the default length: every row is in the queue already, and the loop has
-    // no per-row guards (the common case; docs/perf-notes.md, conv v3).
+    // no per-row guards (the common case).
     KDA_UNROLL
     for (int i = 0; i < kQueue; ++i) convolve_row(queue[i], store_ptr + i * out_row_bytes);
     return true;
@@ -550,19 +550,19 @@ KDA_HOST_DEVICE KDA_INLINE int cta_program_count(const PackedConvParams& p, int6
 // sequence is derived from it (next_chunk_in_sequence) and carries its history; at a sequence
 // boundary the warp searches. The taps load once, with the first chunk.
 template <class Traits, bool kSilu, bool kHasBias, class Ops>
-KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const ProgramChunk& first,
+KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, const varlen::SlotChunk& first,
                                                      int64_t first_program, int count, int64_t plane,
                                                      int64_t plane_col_block, int lane, Ops& ops) {
   LaneTaps<Traits::kVec> taps;
   bool taps_loaded = false;
   LaneHistory<Traits::kVec> hist;
-  ProgramChunk pc = first;
+  varlen::SlotChunk pc = first;
   bool carried = false;
   for (int j = 0; j < count; ++j) {
     if (j > 0) {
-      ProgramChunk next;
+      varlen::SlotChunk next;
       // A derived chunk is the previous one's successor (chunk + 1) in the same sequence.
-      const bool same = next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + j, next);
+      const bool same = varlen::next_chunk_in_sequence(pc, p.num_seqs, p.chunk_shift, first_program + j, next);
       carried = carried && same;
       pc = same ? next : locate_chunk(p, first_program + j, lane, ops);
     }

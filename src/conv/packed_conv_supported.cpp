@@ -1,5 +1,6 @@
-// packed_causal_conv1d_supported(): which arguments the packed kernel runs bit for bit.
-// Reads no device memory; pointers are only checked for null and alignment.
+// packed_causal_conv1d_supported(): which arguments the packed kernel runs bit for bit, as
+// conv::args_supported() (everything but the grid) and check_grid() of the default launch
+// shape. Reads no device memory; pointers are only checked for null and alignment.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -45,14 +46,12 @@ bool strides_do_not_overlap(std::array<std::pair<int64_t, int64_t>, 3> dims) {
   return true;
 }
 
-bool fail(std::string* why, std::string reason) {
-  if (why) *why = std::move(reason);
-  return false;
-}
-
 }  // namespace
 
-bool packed_causal_conv1d_supported(const PackedConvArgs& a, std::string* why) {
+namespace conv {
+
+bool args_supported(const PackedConvArgs& a, std::string* why) {
+  using detail::fail;
   using detail::str_cat;
   const int dtype_value = static_cast<int>(a.x_dtype);
   if (dtype_value < static_cast<int>(DType::BF16) || dtype_value > static_cast<int>(DType::FP32))
@@ -153,9 +152,16 @@ bool packed_causal_conv1d_supported(const PackedConvArgs& a, std::string* why) {
     if (x_begin < out_end && out_begin < x_end) return fail(why, "out overlaps x");
   }
 
+  return true;
+}
+
+}  // namespace conv
+
+bool packed_causal_conv1d_supported(const PackedConvArgs& a, std::string* why) {
+  if (!conv::args_supported(a, why)) return false;
   if (a.num_tokens > 0 && a.num_seqs > 0) {
-    const std::string grid = conv::check_grid(conv::make_params(a));
-    if (!grid.empty()) return fail(why, grid);
+    std::string grid = conv::check_grid(conv::make_params(a));
+    if (!grid.empty()) return detail::fail(why, std::move(grid));
   }
   if (why) why->clear();
   return true;

@@ -1,6 +1,6 @@
 // The stock conv's per-element arithmetic, defined once for the packed kernel, the stock-path
-// baseline and the CPU reference (see /work/shared/spec/stock-conv.md for why each step is
-// what it is). Compiles under nvcc and under a plain C++ compiler.
+// baseline and the CPU reference (docs/stock-conv.md says why each step is what it
+// is). Compiles under nvcc and under a plain C++ compiler.
 //
 // Bit-exact on the device: conv4_tap_fma, silu_stock (device), store_rn, load_f32.
 // Not bit-exact: silu_host_approx (std::exp2 and IEEE division instead of ex2.approx and
@@ -10,13 +10,7 @@
 
 #include <cmath>
 
-#ifndef KDA_HOST_DEVICE
-#if defined(__CUDACC__)
-#define KDA_HOST_DEVICE __host__ __device__
-#else
-#define KDA_HOST_DEVICE
-#endif
-#endif
+#include "common/host_device.h"
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>

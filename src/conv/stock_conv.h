@@ -1,5 +1,5 @@
 // The stock-path baseline of the packed conv, on the GPU: per part (plane), exactly the three
-// passes of vLLM's causal_conv1d_fn path (see /work/shared/spec/stock-conv.md):
+// passes of vLLM's causal_conv1d_fn path (docs/stock-conv.md):
 //   1. cast the strided x slice to a dense FP32 copy (num_tokens, part_dim),
 //   2. FP32 conv into a dense FP32 output, then a separate kernel updates the conv states
 //      (stream order puts every read of the old state before the write),

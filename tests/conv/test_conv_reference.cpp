@@ -10,8 +10,9 @@
 #include <vector>
 
 #include "common/half_host.h"
-#include "testing/conv_reference.h"
 #include "kda/error.h"
+#include "support/test_data.h"
+#include "testing/conv_reference.h"
 
 using kda::DType;
 using kda::PackedConvArgs;
@@ -21,8 +22,8 @@ namespace host = kda::host;
 namespace {
 
 uint32_t bits(float f) { return host::float_bits(f); }
-constexpr uint32_t kPoison32 = 0xFFFFFFFFu;  // NaN, what a 0xFF byte fill gives
-constexpr uint16_t kPoison16 = 0xFFFFu;
+using kda::test::kPoison16;
+using kda::test::kPoison32;
 
 // Host arrays of one conv call. x and the outputs are held as raw bytes of x_dtype.
 struct HostConv {

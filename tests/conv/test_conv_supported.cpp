@@ -302,9 +302,14 @@ TEST_CASE("the vector width follows part_dim and the alignment of x and out") {
   }
 }
 
-TEST_CASE("the default chunk length is the measured best, 16 tokens, at every shape") {
-  for (int64_t tokens : {0, 1, 2048, 4096, 16384, 65536})
-    for (int64_t dim : {64, 1536, 4608}) CHECK(kda::conv::default_chunk_len(tokens, dim) == 16);
+TEST_CASE("the default chunk length is 16 tokens, whatever the capacities") {
+  static_assert(kda::conv::kDefaultChunkLen == 16, "the default chunk length");
+  kda::PackedConvArgs a = kda_args();
+  for (int64_t tokens : {1, 2048, 4096, 16384, 65536}) {
+    a.num_tokens = tokens;
+    a.out_plane_stride = 0;
+    CHECK(kda::conv::make_params(a).chunk_shift == 4);
+  }
 }
 
 TEST_CASE("make_params resolves the plane stride and sizes the grid from capacities") {

@@ -240,7 +240,7 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
           for (int64_t col = 0; col < p.cols_per_plane; ++col) {
             const int64_t first = cta * p.chunks_per_cta;
             const int count = kda::conv::cta_program_count(p, cta);
-            const kda::conv::ProgramChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
+            const kda::varlen::SlotChunk pc = kda::conv::locate_chunk(p, first, lane, ops);
             warp.barrier.wait();  // the search's ballots are done before the body's
             if (p.silu && p.bias) {
               kda::conv::packed_conv_programs<Traits, true, true>(p, pc, first, count, plane, col, lane, ops);
@@ -446,9 +446,9 @@ TEST_CASE("the warp map with shuffled sequence bounds equals the scalar map on e
     CAPTURE(c.name);
     const int64_t num_seqs = static_cast<int64_t>(c.qsl.size()) - 1;
     const int shift = 4;
-    const int steps = kda::conv::search_steps(num_seqs);
-    const int64_t stride = kda::conv::search_stride(steps);
-    const int64_t programs = kda::conv::programs_per_col_block(c.qsl.back() + 64, num_seqs, shift);
+    const int steps = kda::varlen::search_steps(num_seqs);
+    const int64_t stride = kda::varlen::search_stride(steps);
+    const int64_t programs = kda::varlen::slot_count(c.qsl.back() + 64, num_seqs, shift);
     std::vector<int64_t> ps;
     for (int64_t p = 0; p < programs; ++p)
       if (programs <= 3000 || p % 37 == 0 || p < 200 || p > programs - 200) ps.push_back(p);
@@ -466,9 +466,9 @@ TEST_CASE("the warp map with shuffled sequence bounds equals the scalar map on e
       lanes.emplace_back([&, lane] {
         HostOps ops{&warp, lane};
         for (const int64_t p : ps) {
-          const kda::conv::ProgramChunk w = kda::conv::locate_chunk(params, p, lane, ops);
-          const kda::conv::ProgramChunk r =
-              kda::conv::locate_program_scalar(c.qsl.data(), num_seqs, shift, steps, stride, p);
+          const kda::varlen::SlotChunk w = kda::conv::locate_chunk(params, p, lane, ops);
+          const kda::varlen::SlotChunk r =
+              kda::varlen::locate_slot_scalar(c.qsl.data(), num_seqs, shift, steps, stride, p);
           const bool same = w.seq == r.seq && (r.seq < 0 || (w.chunk == r.chunk && w.begin == r.begin &&
                                                             w.end == r.end && w.seq_begin == r.seq_begin &&
                                                             w.seq_end == r.seq_end));

@@ -38,6 +38,7 @@
 #include "kda/error.h"
 #include "kda/packed_conv.h"
 #include "support/gpu_buffers.h"
+#include "support/test_data.h"
 
 namespace {
 
@@ -47,13 +48,7 @@ using kda::test::DeviceBuffer;
 using kda::test::diff_bits;
 using kda::test::Stream;
 
-bool quick() {
-  static const bool q = [] {
-    const char* v = std::getenv("KDA_TEST_QUICK");
-    return v && std::strcmp(v, "1") == 0;
-  }();
-  return q;
-}
+bool quick() { return kda::test::quick_mode(); }
 
 uint64_t base_seed() {
   static const uint64_t seed = [] {
