@@ -1,8 +1,10 @@
-// Internal helpers to raise kda::Error with function, file and line.
+// Internal helpers to raise kda::Error with function, file and line, and to report why a
+// *_supported() check refused its arguments.
 #pragma once
 
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "kda/error.h"
 
@@ -14,6 +16,13 @@ std::string str_cat(const Ts&... parts) {
   std::ostringstream os;
   (os << ... << parts);
   return os.str();
+}
+
+// The refusal of a supported() check: stores `reason` in *why (when why is set) and returns
+// false, so a check reads `if (bad) return fail(why, str_cat(...));`.
+inline bool fail(std::string* why, std::string reason) {
+  if (why) *why = std::move(reason);
+  return false;
 }
 
 }  // namespace kda::detail

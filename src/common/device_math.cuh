@@ -1,12 +1,14 @@
-// Device helpers shared by the KDA step kernels (kda_prep_recurrence.cu, gated_rmsnorm.cu):
-// bf16 vector loads/stores and the fp32 scalar functions of the spec. Include from .cu only.
+// Device-side math shared by the kernels of src/recurrence and src/norm: bf16 widening and
+// vector loads / stores (round to nearest even), a deterministic warp sum, and the IEEE fp32
+// forms of the layer's scalar functions (sigmoid, softplus; docs/layer.md). Include from .cu
+// files only.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
-namespace kda::layer_device {
+namespace kda::device_math {
 
 // bf16 is the top half of an fp32, so widening is a shift.
 __device__ __forceinline__ float bf16_low_to_float(uint32_t word) {
@@ -50,4 +52,4 @@ __device__ __forceinline__ float warp_sum(float x) {
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-}  // namespace kda::layer_device
+}  // namespace kda::device_math

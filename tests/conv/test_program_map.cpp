@@ -1,5 +1,5 @@
-// The packed conv's device-side program map (common/varlen_map.h), checked on the CPU against
-// a naive scan: every token is covered exactly once, chunks stay inside their sequence, only
+// The varlen map of the packed conv and the chunked recurrence (common/varlen_map.h), checked
+// on the CPU against a naive scan: every token is covered exactly once, chunks stay inside their sequence, only
 // chunk 0 starts at a sequence start, and the radix-32 search (scalar and ballot-style) finds
 // the same sequence as a plain search.
 #include <doctest/doctest.h>
@@ -15,14 +15,14 @@
 
 namespace {
 
-using kda::conv::ProgramChunk;
+using kda::varlen::SlotChunk;
 
 // f(s) for every s, and the naive answer: the largest s with f(s) <= p, or -1.
 struct NaiveMap {
   std::vector<int64_t> first;
   explicit NaiveMap(const std::vector<int32_t>& qsl, int64_t num_seqs, int shift) {
     for (int64_t s = 0; s < num_seqs; ++s)
-      first.push_back(kda::conv::first_program(qsl[s], s, shift));
+      first.push_back(kda::varlen::first_slot(qsl[s], s, shift));
   }
   int64_t sequence_of(int64_t p) const {
     auto it = std::upper_bound(first.begin(), first.end(), p);
@@ -37,7 +37,7 @@ int count_by_ballot(const std::vector<int32_t>& qsl, int64_t num_seqs, int shift
   uint32_t mask = 0;
   for (int lane = 0; lane < 32; ++lane) {
     const int64_t cand = base + lane * stride;
-    const bool le = cand < num_seqs && kda::conv::first_program(qsl[cand], cand, shift) <= p;
+    const bool le = cand < num_seqs && kda::varlen::first_slot(qsl[cand], cand, shift) <= p;
     if (le) mask |= 1u << lane;
   }
   const int n = static_cast<int>(std::bitset<32>(mask).count());
@@ -57,9 +57,9 @@ struct Batch {
 // that did work.
 int64_t check_map(const Batch& b, int shift) {
   const int64_t chunk = int64_t{1} << shift;
-  const int steps = kda::conv::search_steps(b.num_seqs);
-  const int64_t stride = kda::conv::search_stride(steps);
-  const int64_t programs = kda::conv::programs_per_col_block(b.num_tokens, b.num_seqs, shift);
+  const int steps = kda::varlen::search_steps(b.num_seqs);
+  const int64_t stride = kda::varlen::search_stride(steps);
+  const int64_t programs = kda::varlen::slot_count(b.num_tokens, b.num_seqs, shift);
   const NaiveMap naive(b.qsl, b.num_seqs, shift);
 
   std::vector<int> covered(static_cast<std::size_t>(b.num_tokens), 0);
@@ -67,16 +67,16 @@ int64_t check_map(const Batch& b, int shift) {
   int64_t working = 0;
   int64_t search_mismatches = 0, ballot_mismatches = 0, not_prefix = 0, outside = 0,
           too_long = 0, bad_chunk0 = 0, derived = 0, derived_mismatches = 0, same_sequence = 0;
-  ProgramChunk prev;
+  SlotChunk prev;
   for (int64_t p = 0; p < programs; ++p) {
-    const ProgramChunk pc = kda::conv::locate_program_scalar(b.qsl.data(), b.num_seqs, shift,
+    const SlotChunk pc = kda::varlen::locate_slot_scalar(b.qsl.data(), b.num_seqs, shift,
                                                              steps, stride, p);
     if (pc.seq != naive.sequence_of(p)) ++search_mismatches;
     // A warp that ran p - 1 derives p without a search whenever next_chunk_in_sequence says so:
     // the result must be the search's, field for field.
-    ProgramChunk next;
+    SlotChunk next;
     if (p > 0 && prev.seq >= 0 && pc.seq == prev.seq) ++same_sequence;
-    if (p > 0 && kda::conv::next_chunk_in_sequence(prev, b.num_seqs, shift, p, next)) {
+    if (p > 0 && kda::varlen::next_chunk_in_sequence(prev, b.num_seqs, shift, p, next)) {
       ++derived;
       if (next.seq != pc.seq || next.chunk != pc.chunk || next.begin != pc.begin || next.end != pc.end ||
           next.seq_begin != pc.seq_begin || next.seq_end != pc.seq_end)
@@ -85,7 +85,7 @@ int64_t check_map(const Batch& b, int shift) {
     prev = pc;
 
     bool prefix = true;
-    const int64_t seq_ballot = kda::conv::find_sequence(steps, stride, [&](int64_t base, int64_t st) {
+    const int64_t seq_ballot = kda::varlen::find_sequence(steps, stride, [&](int64_t base, int64_t st) {
       return count_by_ballot(b.qsl, b.num_seqs, shift, p, base, st, &prefix);
     });
     if (seq_ballot != pc.seq) ++ballot_mismatches;
@@ -162,25 +162,25 @@ Batch random_batch(std::mt19937_64& rng, int64_t real_seqs, int64_t extra_seqs,
 }  // namespace
 
 TEST_CASE("search_steps is the smallest level count n >= 1 with 32^n >= num_seqs") {
-  CHECK(kda::conv::search_steps(0) == 1);
-  CHECK(kda::conv::search_steps(1) == 1);
-  CHECK(kda::conv::search_steps(32) == 1);
-  CHECK(kda::conv::search_steps(33) == 2);
-  CHECK(kda::conv::search_steps(1024) == 2);
-  CHECK(kda::conv::search_steps(1025) == 3);
-  CHECK(kda::conv::search_steps(40000) == 4);
-  CHECK(kda::conv::search_steps(int64_t{1} << 30) == 6);
-  CHECK(kda::conv::search_steps((int64_t{1} << 30) + 1) == 7);
-  CHECK(kda::conv::search_stride(1) == 1);
-  CHECK(kda::conv::search_stride(2) == 32);
-  CHECK(kda::conv::search_stride(4) == 32768);
+  CHECK(kda::varlen::search_steps(0) == 1);
+  CHECK(kda::varlen::search_steps(1) == 1);
+  CHECK(kda::varlen::search_steps(32) == 1);
+  CHECK(kda::varlen::search_steps(33) == 2);
+  CHECK(kda::varlen::search_steps(1024) == 2);
+  CHECK(kda::varlen::search_steps(1025) == 3);
+  CHECK(kda::varlen::search_steps(40000) == 4);
+  CHECK(kda::varlen::search_steps(int64_t{1} << 30) == 6);
+  CHECK(kda::varlen::search_steps((int64_t{1} << 30) + 1) == 7);
+  CHECK(kda::varlen::search_stride(1) == 1);
+  CHECK(kda::varlen::search_stride(2) == 32);
+  CHECK(kda::varlen::search_stride(4) == 32768);
 }
 
 TEST_CASE("the grid has num_tokens / C + num_seqs programs per column block") {
-  CHECK(kda::conv::programs_per_col_block(2048, 1, 6) == 33);
-  CHECK(kda::conv::programs_per_col_block(2047, 4, 6) == 35);
-  CHECK(kda::conv::programs_per_col_block(16384, 256, 6) == 512);
-  CHECK(kda::conv::programs_per_col_block(0, 7, 4) == 7);
+  CHECK(kda::varlen::slot_count(2048, 1, 6) == 33);
+  CHECK(kda::varlen::slot_count(2047, 4, 6) == 35);
+  CHECK(kda::varlen::slot_count(16384, 256, 6) == 512);
+  CHECK(kda::varlen::slot_count(0, 7, 4) == 7);
 }
 
 TEST_CASE("f(s) = qsl[s] / C + s is strictly increasing with room for every chunk") {
@@ -190,8 +190,8 @@ TEST_CASE("f(s) = qsl[s] / C + s is strictly increasing with room for every chun
     int64_t bad = 0;
     for (int32_t a = 0; a < 3 * c; ++a) {
       for (int32_t len = 0; len < 5 * c; ++len) {
-        const int64_t fa = kda::conv::first_program(a, 7, shift);
-        const int64_t fb = kda::conv::first_program(a + len, 8, shift);
+        const int64_t fa = kda::varlen::first_slot(a, 7, shift);
+        const int64_t fb = kda::varlen::first_slot(a + len, 8, shift);
         if (fb - fa < (len + c - 1) / c || fb <= fa) ++bad;
       }
     }
@@ -202,10 +202,10 @@ TEST_CASE("f(s) = qsl[s] / C + s is strictly increasing with room for every chun
 TEST_CASE("a single sequence is cut into chunks of C tokens, the last one partial") {
   const Batch b{{0, 1000}, 1, 1000, "one sequence"};
   const int shift = 6;
-  const int steps = kda::conv::search_steps(1);
-  const int64_t stride = kda::conv::search_stride(steps);
-  for (int64_t p = 0; p < kda::conv::programs_per_col_block(1000, 1, shift); ++p) {
-    const ProgramChunk pc = kda::conv::locate_program_scalar(b.qsl.data(), 1, shift, steps, stride, p);
+  const int steps = kda::varlen::search_steps(1);
+  const int64_t stride = kda::varlen::search_stride(steps);
+  for (int64_t p = 0; p < kda::varlen::slot_count(1000, 1, shift); ++p) {
+    const SlotChunk pc = kda::varlen::locate_slot_scalar(b.qsl.data(), 1, shift, steps, stride, p);
     CAPTURE(p);
     CHECK(pc.seq == 0);
     CHECK(pc.chunk == p);
@@ -223,7 +223,7 @@ TEST_CASE("chunks start at the sequence start, not at multiples of C in the batc
   const int64_t stride = 1;
   // f(0) = 0, f(1) = 70 / 64 + 1 = 2.
   auto at = [&](int64_t p) {
-    return kda::conv::locate_program_scalar(qsl.data(), 2, shift, steps, stride, p);
+    return kda::varlen::locate_slot_scalar(qsl.data(), 2, shift, steps, stride, p);
   };
   CHECK(at(0).seq == 0);
   CHECK(at(0).begin == 0);
@@ -248,9 +248,9 @@ TEST_CASE("programs before the first sequence's f(0) do nothing when qsl[0] > 0"
   const Batch b{{200, 260, 260, 300}, 3, 300, "offset start"};
   for (int shift = 3; shift <= 6; ++shift) {
     CAPTURE(shift);
-    const int64_t f0 = kda::conv::first_program(200, 0, shift);
+    const int64_t f0 = kda::varlen::first_slot(200, 0, shift);
     for (int64_t p = 0; p < f0; ++p) {
-      const ProgramChunk pc = kda::conv::locate_program_scalar(b.qsl.data(), 3, shift, 1, 1, p);
+      const SlotChunk pc = kda::varlen::locate_slot_scalar(b.qsl.data(), 3, shift, 1, 1, p);
       CHECK(pc.seq == -1);
     }
     check_map(b, shift);
@@ -298,7 +298,7 @@ TEST_CASE("the map handles 40000 sequences, padded capacity and a huge sequence"
   std::mt19937_64 rng(7);
   const Batch b = random_batch(rng, 39000, 1000, 12345, true, "40000 capacity");
   REQUIRE(b.num_seqs == 40000);
-  REQUIRE(kda::conv::search_steps(b.num_seqs) == 4);
+  REQUIRE(kda::varlen::search_steps(b.num_seqs) == 4);
   for (int shift : {4, 6}) {
     CAPTURE(shift);
     const int64_t working = check_map(b, shift);
