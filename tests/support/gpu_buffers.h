@@ -1,5 +1,5 @@
-// Test-only helpers for device memory: RAII buffers, uploads/downloads, NaN poisoning and
-// bitwise comparison that counts differing bits.
+// Test-only helpers for device memory: the library's RAII buffers, bitwise comparison that
+// counts differing bits, and a stream owned for a test's duration.
 #pragma once
 
 #include <cstddef>
@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "kda/packed_conv.h"  // kda::Stream
+#include "common/bit_compare.h"
+#include "common/device_memory.h"
+#include "kda/types.h"
 
 namespace kda::test {
 
@@ -16,38 +18,7 @@ namespace kda::test {
 void cuda_ok(int status, const char* what);
 #define KDA_TEST_CUDA(expr) ::kda::test::cuda_ok(static_cast<int>(expr), #expr)
 
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(std::size_t bytes);
-  ~DeviceBuffer();
-  DeviceBuffer(DeviceBuffer&& other) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  void* get() const { return ptr_; }
-  template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
-  std::size_t bytes() const { return bytes_; }
-
-  void upload(const void* host, std::size_t bytes, std::size_t offset = 0);
-  void download(void* host, std::size_t bytes, std::size_t offset = 0) const;
-  template <typename T>
-  void upload(const std::vector<T>& v) { upload(v.data(), v.size() * sizeof(T)); }
-  template <typename T>
-  std::vector<T> download_as() const {
-    std::vector<T> v(bytes_ / sizeof(T));
-    download(v.data(), v.size() * sizeof(T));
-    return v;
-  }
-  // Fills every byte with `byte` (0xFF gives NaN in bf16, fp16 and fp32).
-  void fill_bytes(unsigned char byte);
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
+using kda::detail::DeviceBuffer;
 
 template <typename T>
 DeviceBuffer to_device(const std::vector<T>& v) {
@@ -56,8 +27,7 @@ DeviceBuffer to_device(const std::vector<T>& v) {
   return b;
 }
 
-// Number of differing bits between two equally long byte ranges.
-int64_t diff_bits(const void* a, const void* b, std::size_t bytes);
+using kda::detail::diff_bits;  // differing bits between two equally long byte ranges
 // Number of differing elements of `elem_bytes` each.
 int64_t diff_elements(const void* a, const void* b, std::size_t bytes, std::size_t elem_bytes);
 
