@@ -132,7 +132,7 @@ void GraphCache::launch(Entry* entry, cudaStream_t stream) {
   constexpr const char* fn = "kda::detail::GraphCache::launch";
   KDA_CHECK(entry != nullptr, fn, "no graph to launch");
   // Only every kTimingPeriod-th replay is a timing sample: an event query and two event records
-  // cost about as much host time as the graph launch itself (docs/perf-notes.md, host time).
+  // cost about as much host time as the graph launch itself (docs/perf.md, host time).
   bool timed = false;
   const int slot = entry->next_slot;
   if (entry->replays % Entry::kTimingPeriod == 0) {
@@ -165,9 +165,9 @@ void GraphCache::launch(Entry* entry, cudaStream_t stream) {
   ++entry->replays;
 }
 
-std::vector<BucketStats> GraphCache::stats() {
+std::vector<GraphStats> GraphCache::stats() {
   constexpr const char* fn = "kda::detail::GraphCache::stats";
-  std::vector<BucketStats> out;
+  std::vector<GraphStats> out;
   out.reserve(entries_.size());
   for (auto& [key, entry] : entries_) {
     for (int i = 0; i < Entry::kTimingSlots; ++i) {
@@ -179,13 +179,11 @@ std::vector<BucketStats> GraphCache::stats() {
       ++entry->timed_replays;
       entry->pending[i] = false;
     }
-    BucketStats s;
-    s.bucket_tokens = key.bucket;
-    s.layer = key.layer;
-    s.window = key.window;
+    GraphStats s;
+    s.key = key;
     s.capture_us = entry->capture_us;
     s.instantiate_us = entry->instantiate_us;
-    s.graph_nodes = entry->nodes;
+    s.nodes = entry->nodes;
     s.replays = entry->replays;
     s.mean_replay_us = entry->timed_replays > 0 ? entry->timed_ms * 1000.0 / entry->timed_replays : 0.0;
     out.push_back(s);

@@ -20,7 +20,6 @@
 #include <memory>
 #include <vector>
 
-#include "kda/prefill.h"  // kda::BucketStats
 
 namespace kda::detail {
 
@@ -33,6 +32,16 @@ struct GraphKey {
     if (layer != o.layer) return layer < o.layer;
     return window < o.window;
   }
+};
+
+// What the cache knows of one graph.
+struct GraphStats {
+  GraphKey key;
+  double capture_us = 0;      // stream capture of the recorded work
+  double instantiate_us = 0;  // instantiate, or update when an update succeeded
+  int64_t nodes = 0;
+  int64_t replays = 0;
+  double mean_replay_us = 0;  // GPU time per timed replay; 0 until one is timed
 };
 
 class GraphCache {
@@ -73,8 +82,8 @@ class GraphCache {
   // captured nodes, and its per-capture resources belong to the graph they were recorded into.
   void set_exec_update(bool allowed) { exec_update_ = allowed; }
 
-  // One BucketStats per graph, in key order. Waits for the replays it has timed.
-  std::vector<BucketStats> stats();
+  // One GraphStats per graph, in key order. Waits for the replays it has timed.
+  std::vector<GraphStats> stats();
 
  private:
   cudaStream_t capture_stream_ = nullptr;

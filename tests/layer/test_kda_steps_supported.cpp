@@ -1,4 +1,4 @@
-// Argument checks of the KDA step launchers and the StepContext adapters; host only, no device
+// Argument checks of the recurrence and gated-RMSNorm launchers; host only, no device
 // memory is touched (the pointers are never dereferenced).
 #include <doctest/doctest.h>
 
@@ -7,10 +7,8 @@
 #include <string>
 
 #include "kda/error.h"
-#include "kda/prefill.h"
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_recurrence.h"
-#include "runtime/step_args.h"
 
 namespace {
 
@@ -158,60 +156,4 @@ TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
   kda::GatedRmsNormArgs g = valid_rmsnorm_args();
   g.num_tokens = 0;
   CHECK_NOTHROW(kda::gated_rmsnorm(g, nullptr));
-}
-
-TEST_CASE("the StepContext adapters read the module's layout") {
-  kda::Config config;
-  config.model.hidden_size = 2304;
-  config.model.num_heads = 4;
-  config.model.norm_eps = 2e-5;
-  config.model.gate_lower_bound = -5.0;
-  config.pools.cache_lines = 9;
-  config.pools.null_line = 0;
-  kda::LayerWeights weights;
-  weights.A_log = fake<const float>(20);
-  weights.dt_bias = fake<const float>(21);
-  weights.o_norm_weight = fake<const void>(22);
-  kda::StepContext ctx;
-  ctx.bucket_tokens = 512;
-  ctx.max_seqs = 16;
-  ctx.query_start_loc = fake<const int32_t>(1);
-  ctx.cache_indices = fake<const int32_t>(2);
-  ctx.has_initial_state = fake<const bool>(3);
-  ctx.in_proj_out = fake<void>(4);
-  ctx.q = fake<void>(5);
-  ctx.k = fake<void>(6);
-  ctx.v = fake<void>(7);
-  ctx.recurrent_states = fake<float>(8);
-  ctx.weights = &weights;
-  ctx.config = &config;
-  const int64_t p = 512;
-
-  const kda::PrepRecurrenceArgs r = kda::prep_recurrence_args_for_step(ctx, fake<const void>(30), p, fake<void>(31), p);
-  CHECK(r.num_heads == 4);
-  CHECK(r.num_tokens == 512);
-  CHECK(r.max_seqs == 16);
-  CHECK(r.qkv_row_stride == p);
-  CHECK(r.b == ctx.in_proj_out);
-  CHECK(r.b_col_offset == 3 * p);
-  CHECK(r.b_row_stride == config.model.in_proj_stride());
-  CHECK(r.a_log == weights.A_log);
-  CHECK(r.gate_lower_bound == -5.0);
-  CHECK(r.cache_lines == 9);
-  CHECK(r.state_stride_line == 4 * 128 * 128);
-  CHECK(r.state_stride_v == 1);
-  std::string why;
-  CHECK(kda::kda_prep_recurrence_supported(r, &why));
-  CHECK(why.empty());
-
-  const kda::GatedRmsNormArgs g = kda::gated_rmsnorm_args_for_step(ctx, fake<const void>(31), p, fake<const void>(32), p,
-                                                                   fake<void>(33), p);
-  CHECK(g.num_tokens == 512);
-  CHECK(g.num_seqs == 16);
-  CHECK(g.eps == 2e-5);
-  CHECK(g.weight == weights.o_norm_weight);
-  CHECK(kda::gated_rmsnorm_supported(g, &why));
-
-  ctx.weights = nullptr;
-  CHECK_THROWS_AS(kda::prep_recurrence_args_for_step(ctx, nullptr, p, nullptr, p), kda::Error);
 }

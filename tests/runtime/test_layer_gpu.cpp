@@ -21,15 +21,12 @@
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
 #include "support/host_batch.h"
+#include "support/test_data.h"
 
 namespace {
 
 using kda::PrefillModule;
 
-bool quick() {
-  const char* q = std::getenv("KDA_TEST_QUICK");
-  return q && std::string(q) == "1";
-}
 
 template <typename T>
 std::vector<T> download(const void* p, int64_t count) {
@@ -187,7 +184,7 @@ TEST_CASE("the module's layer output and final states match the float64 layer re
     SUBCASE("seed scale (hidden 7168, 12 heads)") {
       kda::Config c = seed_scale();
       c.runtime.recurrence = rec;
-      check_layer(c, quick() ? std::vector<int32_t>{1, 17, 64, 65} : std::vector<int32_t>{1, 17, 64, 65, 300, 15});
+      check_layer(c, kda::test::quick_mode() ? std::vector<int32_t>{1, 17, 64, 65} : std::vector<int32_t>{1, 17, 64, 65, 300, 15});
     }
   }
 }

@@ -25,18 +25,18 @@
 #include "runtime/gemm_plan.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
+#include "support/host_batch.h"
+#include "support/test_data.h"
 
 namespace {
 
 using kda::PrefillModule;
 using kda::test::DeviceBuffer;
 using kda::test::diff_bits;
+using kda::test::HostBatch;
+using kda::test::make_batch;
 using kda::test::Stream;
 
-bool quick() {
-  const char* q = std::getenv("KDA_TEST_QUICK");
-  return q && std::strcmp(q, "1") == 0;
-}
 
 kda::Config tiny_config() {
   kda::Config c;
@@ -62,37 +62,6 @@ kda::Config big_config() {
   c.pools.cache_lines = 65;
   c.pools.null_line = 0;
   return c;
-}
-
-// A batch's host arrays; view() points into them.
-struct HostBatch {
-  std::vector<int32_t> qsl{0};
-  std::vector<int32_t> cache;
-  std::unique_ptr<bool[]> flags;
-  int64_t num_seqs = 0;
-
-  kda::BatchView view() const {
-    kda::BatchView v;
-    v.query_start_loc = qsl.data();
-    v.cache_indices = cache.data();
-    v.has_initial_state = flags.get();
-    v.num_seqs = num_seqs;
-    return v;
-  }
-  int64_t tokens() const { return qsl.back(); }
-};
-
-HostBatch make_batch(const std::vector<int32_t>& lengths, const std::vector<int32_t>& lines,
-                     const std::vector<bool>& initial) {
-  HostBatch b;
-  b.num_seqs = static_cast<int64_t>(lengths.size());
-  b.flags = std::make_unique<bool[]>(lengths.size() + 1);
-  for (std::size_t s = 0; s < lengths.size(); ++s) {
-    b.qsl.push_back(b.qsl.back() + lengths[s]);
-    b.cache.push_back(lines[s]);
-    b.flags[s] = initial[s];
-  }
-  return b;
 }
 
 // `tokens` rows cut into 1..max_seqs sequences (some empty), on distinct random lines, about
@@ -167,8 +136,8 @@ int64_t plane_rows_diff(const std::vector<unsigned char>& a, const std::vector<u
 // Rows written by the conv: those of sequences that are not on the null line.
 std::vector<bool> written_rows(const HostBatch& b, const kda::Config& c) {
   std::vector<bool> w(static_cast<std::size_t>(c.runtime.batch_token_capacity()), false);
-  for (int64_t s = 0; s < b.num_seqs; ++s)
-    if (b.cache[s] != c.pools.null_line)
+  for (int64_t s = 0; s < b.num_seqs(); ++s)
+    if (b.lines[s] != c.pools.null_line)
       for (int32_t r = b.qsl[s]; r < b.qsl[s + 1]; ++r) w[r] = true;
   return w;
 }
@@ -201,8 +170,8 @@ PaddingReport padding_report(const std::vector<unsigned char>& planes, const Hos
 
 std::set<int32_t> named_lines(const HostBatch& b, const kda::Config& c) {
   std::set<int32_t> s;
-  for (int64_t i = 0; i < b.num_seqs; ++i)
-    if (b.cache[i] != c.pools.null_line) s.insert(b.cache[i]);
+  for (int64_t i = 0; i < b.num_seqs(); ++i)
+    if (b.lines[i] != c.pools.null_line) s.insert(b.lines[i]);
   return s;
 }
 
@@ -261,8 +230,8 @@ int64_t module_diff_bits(PrefillModule& a, PrefillModule& b, int64_t T, cudaStre
     KDA_TEST_CUDA(cudaStreamSynchronize(s));
     const int32_t null_line = a.config().pools.null_line;
     int64_t bits = 0, first_row = -1;
-    for (int64_t seq = 0; seq < (batch ? batch->num_seqs : 1); ++seq) {
-      if (batch && batch->cache[seq] == null_line) continue;
+    for (int64_t seq = 0; seq < (batch ? batch->num_seqs() : 1); ++seq) {
+      if (batch && batch->lines[seq] == null_line) continue;
       const int64_t r0 = batch ? batch->qsl[seq] : 0, r1 = batch ? batch->qsl[seq + 1] : T;
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t row_bits = diff_bits(oa.data() + r * D * 2, ob.data() + r * D * 2, D * 2);
@@ -289,7 +258,7 @@ int64_t replays_of_bucket(const kda::ModuleStats& st, int64_t bucket) {
 
 // Two modules with the same weights, one replaying graphs and one eager, fed the same batches.
 void check_replays_match_eager(const kda::Config& cfg, cudaStream_t stream, int quick_batches) {
-  const int batches = quick() ? quick_batches : 100;
+  const int batches = kda::test::quick_mode() ? quick_batches : 100;
   const int layers = static_cast<int>(cfg.runtime.num_layers);
   const Dims d = dims(cfg);
   auto g = make_module(cfg, 11);
@@ -300,7 +269,7 @@ void check_replays_match_eager(const kda::Config& cfg, cudaStream_t stream, int 
   auto run_both = [&](const HostBatch& b, bool check_recurrent) {
     const int64_t T = b.tokens();
     CAPTURE(T);
-    CAPTURE(b.num_seqs);
+    CAPTURE(b.num_seqs());
     for (PrefillModule* m : {g.get(), e.get()}) {
       fill_hidden(*m, T, hidden_seed, stream);
       poison_planes(*m, stream);
@@ -400,7 +369,7 @@ TEST_CASE("a split batch equals the unsplit run on a module whose largest bucket
   batches.push_back(make_batch({255, 1, 2, 0, 300, 1, 200, 241}, {1, 2, 3, 7, 0, 4, 6, 8},
                                {true, true, true, false, false, true, true, false}));
   std::mt19937_64 rng(77);
-  for (int i = 0; i < (quick() ? 3 : 20); ++i)
+  for (int i = 0; i < (kda::test::quick_mode() ? 3 : 20); ++i)
     batches.push_back(random_batch(rng, std::uniform_int_distribution<int64_t>(257, 1024)(rng), split_cfg));
 
   uint64_t hidden_seed = 500;
@@ -492,7 +461,7 @@ TEST_CASE("the same batch gives the same planes in every bucket that holds it") 
   }
   std::mt19937_64 rng(5);
   uint64_t hidden_seed = 900;
-  for (int i = 0; i < (quick() ? 3 : 12); ++i) {
+  for (int i = 0; i < (kda::test::quick_mode() ? 3 : 12); ++i) {
     CAPTURE(i);
     const int64_t T = std::uniform_int_distribution<int64_t>(1, i % 2 ? 64 : 16)(rng);
     const HostBatch b = random_batch(rng, T, modules[0]->config());
@@ -533,7 +502,7 @@ TEST_CASE("free device memory is unchanged after many runs, and replays keep hos
   std::size_t free_before = 0, free_after = 0, total = 0;
   KDA_TEST_CUDA(cudaMemGetInfo(&free_before, &total));
 
-  const int runs = quick() ? 40 : 1000;
+  const int runs = kda::test::quick_mode() ? 40 : 1000;
   for (int i = 0; i < runs; ++i) {
     const int64_t T = std::uniform_int_distribution<int64_t>(0, 1024)(rng);
     if (T == 0) {
@@ -551,7 +520,7 @@ TEST_CASE("free device memory is unchanged after many runs, and replays keep hos
   // Host time of run_layer on single-window batches, graphs already recorded.
   std::vector<double> us;
   const HostBatch b = random_batch(rng, 200, cfg);
-  for (int i = 0; i < (quick() ? 20 : 400); ++i) {
+  for (int i = 0; i < (kda::test::quick_mode() ? 20 : 400); ++i) {
     m->begin_forward(b.view(), s);
     const auto t0 = std::chrono::steady_clock::now();
     m->run_layer(0, s);
@@ -563,7 +532,7 @@ TEST_CASE("free device memory is unchanged after many runs, and replays keep hos
   const kda::ModuleStats st = m->stats(s);
   MESSAGE("run_layer host time, one window: median ", median, " us; module means: begin_forward ",
           st.mean_host_us_begin, " us, run_layer ", st.mean_host_us_layer, " us");
-  if (!quick()) CHECK(median < 15.0);
+  if (!kda::test::quick_mode()) CHECK(median < 15.0);
   CHECK(st.graphs.size() == graphs);
   for (const auto& g : st.graphs) {
     CAPTURE(g.bucket_tokens);
@@ -605,7 +574,7 @@ TEST_CASE("bad batches throw, naming the problem, and change neither pools nor s
   auto add = [&bad](HostBatch b, const char* msg) { bad.push_back({std::move(b), msg}); };
   {
     HostBatch b = make_batch({1}, {1}, {false});
-    b.num_seqs = -1;
+    b.num_seqs_override = -1;
     add(std::move(b), "num_seqs -1 must not be negative");
   }
   add(make_batch(std::vector<int32_t>(17, 1), [] { std::vector<int32_t> v; for (int i = 1; i <= 17; ++i) v.push_back(i); return v; }(),
@@ -976,7 +945,7 @@ TEST_CASE("self_check reports no differing bits and leaves the pools as one run 
     }
   };
   SUBCASE("tiny config, one and several windows") { check(tiny_config(), {200, 16, 700, 1024}); }
-  SUBCASE("hidden 2304, 4 heads") { check(big_config(), quick() ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 300}); }
+  SUBCASE("hidden 2304, 4 heads") { check(big_config(), kda::test::quick_mode() ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 300}); }
   SUBCASE("configs/tiny.yaml") {
     // meson test sets KDA_SOURCE_ROOT; run by hand from the source root, "." does.
     const char* root = std::getenv("KDA_SOURCE_ROOT");
@@ -998,7 +967,7 @@ TEST_CASE("the conv planes equal the stock baseline run on the module's in_proj 
     const HostBatch prime = random_batch(rng, B, cfg);
     fill_hidden(*m, prime.tokens(), 1, s);
     m->run(prime.view(), s);
-    for (int i = 0; i < (quick() ? 2 : 6); ++i) {
+    for (int i = 0; i < (kda::test::quick_mode() ? 2 : 6); ++i) {
       CAPTURE(i);
       const int64_t T = std::uniform_int_distribution<int64_t>(1, B)(rng);
       const HostBatch b = random_batch(rng, T, cfg);
@@ -1009,9 +978,9 @@ TEST_CASE("the conv planes equal the stock baseline run on the module's in_proj 
       m->run(b.view(), s);
 
       DeviceBuffer qsl = kda::test::to_device(b.qsl);
-      DeviceBuffer cache = kda::test::to_device(b.cache);
-      DeviceBuffer flags(static_cast<std::size_t>(b.num_seqs));
-      flags.upload(b.flags.get(), static_cast<std::size_t>(b.num_seqs));
+      DeviceBuffer cache = kda::test::to_device(b.lines);
+      DeviceBuffer flags(static_cast<std::size_t>(b.num_seqs()));
+      flags.upload(b.flags.get(), static_cast<std::size_t>(b.num_seqs()));
       DeviceBuffer out(static_cast<std::size_t>(3 * T * d.P) * 2);
       out.fill_bytes(0xFF);
       kda::PackedConvArgs a;
@@ -1026,7 +995,7 @@ TEST_CASE("the conv planes equal the stock baseline run on the module's in_proj 
       a.state_stride_dim = 3;
       a.state_stride_tap = 1;
       a.query_start_loc = qsl.as<int32_t>();
-      a.num_seqs = b.num_seqs;
+      a.num_seqs = b.num_seqs();
       a.cache_indices = cache.as<int32_t>();
       a.has_initial_state = flags.as<bool>();
       a.part_dim = d.P;

@@ -1,0 +1,297 @@
+#include "runtime/layer_program.h"
+
+#include <cuda_runtime_api.h>
+
+#include "common/check.h"
+#include "common/cuda_check.h"
+#include "recurrence/kda_chunked.h"
+
+namespace kda::detail {
+
+namespace {
+constexpr const char* kCtorFn = "kda::PrefillModule::PrefillModule";
+
+const ModelConfig& model_of(const StepContext& ctx, const char* fn) {
+  KDA_CHECK(ctx.config && ctx.weights, fn, "the step context has no config or no weights");
+  return ctx.config->model;
+}
+}  // namespace
+
+uint32_t pow2_alignment(std::size_t bytes) {
+  uint32_t a = 256;
+  while (a > 1 && bytes % a != 0) a /= 2;
+  return a;
+}
+
+GemmShape weight_gemm_shape(int64_t n, int64_t k, int64_t lda, int64_t ldc, uint32_t align_a, uint32_t align_c) {
+  GemmShape s;
+  s.n = n;
+  s.k = k;
+  s.lda = lda;
+  s.ldw = k;
+  s.ldc = ldc;
+  s.align_a = align_a;
+  s.align_w = 16;
+  s.align_c = align_c;
+  return s;
+}
+
+PackedConvArgs conv_args_for_step(const StepContext& ctx) {
+  const ModelConfig& m = model_of(ctx, "kda::detail::conv_args_for_step");
+  const int64_t P = m.part_dim();
+  PackedConvArgs a;
+  a.x = ctx.in_proj_out;  // the Q|K|V columns are the first 3P of each row
+  a.x_dtype = DType::BF16;
+  a.num_tokens = ctx.bucket_tokens;
+  a.dim = 3 * P;
+  a.x_row_stride = m.in_proj_stride();
+  a.weight = ctx.weights->conv_weight;
+  a.weight_stride_dim = 4;
+  a.weight_stride_tap = 1;
+  a.bias = nullptr;
+  a.conv_states = ctx.conv_states;
+  a.num_cache_lines = ctx.config->pools.cache_lines;
+  a.state_len = 3;
+  a.state_stride_line = 3 * P * 3;
+  a.state_stride_dim = 3;
+  a.state_stride_tap = 1;
+  a.query_start_loc = ctx.query_start_loc;
+  a.num_seqs = ctx.max_seqs;
+  a.cache_indices = ctx.cache_indices;
+  a.cache_indices_stride = 1;
+  a.has_initial_state = ctx.has_initial_state;
+  a.part_dim = P;
+  a.silu = true;
+  a.null_block_id = ctx.config->pools.null_line;
+  a.out = ctx.q;  // planes q, k, v follow each other at capacity * P
+  a.out_plane_stride = ctx.config->runtime.batch_token_capacity() * P;
+  return a;
+}
+
+PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
+  const StepContext& ctx = in.ctx;
+  const ModelConfig& m = model_of(ctx, "kda::detail::recurrence_args_for_step");
+  PrepRecurrenceArgs a;
+  a.num_heads = m.num_heads;
+  a.head_dim = m.head_dim;
+  a.num_tokens = ctx.bucket_tokens;
+  a.max_seqs = ctx.max_seqs;
+  a.query_start_loc = ctx.query_start_loc;
+  a.cache_indices = ctx.cache_indices;
+  a.has_initial_state = ctx.has_initial_state;
+  a.null_line = ctx.config->pools.null_line;
+  a.q = ctx.q;
+  a.k = ctx.k;
+  a.v = ctx.v;
+  a.qkv_row_stride = m.part_dim();
+  a.g1 = in.g1;
+  a.g1_row_stride = m.part_dim();
+  a.b = ctx.in_proj_out;
+  a.b_row_stride = m.in_proj_stride();
+  a.b_col_offset = 3 * m.part_dim();
+  a.a_log = ctx.weights->A_log;
+  a.dt_bias = ctx.weights->dt_bias;
+  a.gate_lower_bound = m.gate_lower_bound;
+  a.states = ctx.recurrent_states;
+  a.cache_lines = ctx.config->pools.cache_lines;
+  a.state_stride_v = 1;
+  a.state_stride_k = m.head_dim;
+  a.state_stride_head = m.head_dim * m.head_dim;
+  a.state_stride_line = m.num_heads * m.head_dim * m.head_dim;
+  a.o = in.o;
+  a.o_row_stride = m.part_dim();
+  return a;
+}
+
+GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in) {
+  const StepContext& ctx = in.ctx;
+  const ModelConfig& m = model_of(ctx, "kda::detail::rmsnorm_args_for_step");
+  GatedRmsNormArgs a;
+  a.num_heads = m.num_heads;
+  a.head_dim = m.head_dim;
+  a.num_tokens = ctx.bucket_tokens;
+  a.query_start_loc = ctx.query_start_loc;
+  a.num_seqs = ctx.max_seqs;
+  a.o = in.o;
+  a.o_row_stride = m.part_dim();
+  a.g2 = in.g2;
+  a.g2_row_stride = m.part_dim();
+  a.weight = ctx.weights->o_norm_weight;
+  a.eps = m.norm_eps;
+  a.y = in.y;
+  a.y_row_stride = m.part_dim();
+  return a;
+}
+
+LayerProgram::LayerProgram(const Config& config) : config_(config) {
+  const ModelConfig& m = config.model;
+  KDA_CHECK(m.head_dim == 128, kCtorFn, "model.head_dim ", m.head_dim, " is not supported: only 128 is");
+  KDA_CHECK(m.conv_width == 4, kCtorFn, "model.conv_width ", m.conv_width, " is not supported: only 4 is");
+  D = m.hidden_size;
+  P = m.part_dim();
+  H = m.num_heads;
+  in_cols = m.in_proj_cols();
+  in_stride = m.in_proj_stride();
+  f_a_col_ = 3 * P + H;
+  g_a_col_ = f_a_col_ + m.gate_rank;
+  B = config.runtime.largest_bucket();
+  capacity = config.runtime.batch_token_capacity();
+  windows_max = max_windows(config);
+  padded_rows = windows_max * B;
+
+  auto bf16_rows = [](int64_t rows, int64_t cols) { return static_cast<std::size_t>(rows * cols) * 2; };
+  hidden = DeviceBuffer(bf16_rows(padded_rows, D), "hidden states");
+  output = DeviceBuffer(bf16_rows(padded_rows, D), "layer output");
+  in_proj_out = DeviceBuffer(bf16_rows(B, in_stride), "in_proj output");
+  planes = DeviceBuffer(bf16_rows(2 * capacity + padded_rows, P), "conv planes");
+  if (full_layer()) {
+    g1_ = DeviceBuffer(bf16_rows(B, P), "g1 (f_a f_b^T)");
+    g2_ = DeviceBuffer(bf16_rows(B, P), "g2 (g_a g_b^T)");
+    o_ = DeviceBuffer(bf16_rows(B, P), "recurrence output o");
+    y_ = DeviceBuffer(bf16_rows(B, P), "gated RMSNorm output y");
+  }
+  const auto workspace_bytes = static_cast<std::size_t>(config.runtime.gemm_workspace_bytes);
+  gemm_workspace_ = DeviceBuffer(workspace_bytes, "cuBLASLt workspace");
+  if (chunked()) {
+    // Sized for the largest bucket and max_seqs: the capacities every window's launch uses.
+    PrepRecurrenceArgs a;
+    a.num_heads = H;
+    a.head_dim = m.head_dim;
+    a.num_tokens = B;
+    a.max_seqs = config.runtime.max_seqs;
+    chunked_workspace_ = DeviceBuffer(kda_chunked_workspace_bytes(a), "chunked recurrence workspace");
+  }
+  // Zeroed so that no buffer ever holds uninitialised bits (the in_proj output's pad columns
+  // [in_cols, in_stride) are never written by the GEMM).
+  for (const DeviceBuffer* a : {&hidden, &output, &in_proj_out, &planes, &g1_, &g2_, &o_, &y_})
+    if (a->bytes()) KDA_CUDA_CHECK(kCtorFn, cudaMemset(a->get(), 0, a->bytes()));
+
+  // Window w reads hidden rows (and o_proj writes output rows) from w * B.
+  const uint32_t window_rows_align = windows_max > 1 ? pow2_alignment(bf16_rows(B, D)) : 256;
+  GemmShape in_shape = weight_gemm_shape(in_cols, D, D, in_stride, window_rows_align, 256);
+  in_proj_gemm_ = std::make_unique<GemmPlan>(lt_.get(), in_shape, config.runtime.token_buckets, workspace_bytes);
+  if (in_stride != in_cols) {
+    // Zero-padded weights let the GEMM's N be a multiple of 16, a much faster width than W_in
+    // (docs/perf.md). Rows past N (up to in_proj_stride) are not read.
+    const int64_t n16 = (in_cols + 15) / 16 * 16;
+    in_shape.n = n16 != in_cols ? n16 : in_stride;
+    in_proj_gemm_padded_ =
+        std::make_unique<GemmPlan>(lt_.get(), in_shape, config.runtime.token_buckets, workspace_bytes);
+  }
+  if (full_layer()) {
+    // g1 / g2 read the f_a / g_a columns of the in_proj output in place: their alignment is the
+    // column offset's (rows are 128-byte multiples apart, in_proj_stride being a multiple of 64).
+    const int64_t r = m.gate_rank;
+    g1_gemm_ = std::make_unique<GemmPlan>(
+        lt_.get(), weight_gemm_shape(P, r, in_stride, P, pow2_alignment(static_cast<std::size_t>(f_a_col_) * 2), 256),
+        config.runtime.token_buckets, workspace_bytes);
+    g2_gemm_ = std::make_unique<GemmPlan>(
+        lt_.get(), weight_gemm_shape(P, r, in_stride, P, pow2_alignment(static_cast<std::size_t>(g_a_col_) * 2), 256),
+        config.runtime.token_buckets, workspace_bytes);
+    o_proj_gemm_ = std::make_unique<GemmPlan>(lt_.get(), weight_gemm_shape(D, P, P, D, 256, window_rows_align),
+                                              config.runtime.token_buckets, workspace_bytes);
+  }
+
+  steps_.push_back({"in_proj GEMM", &LayerProgram::run_in_proj});
+  steps_.push_back({"packed conv", &LayerProgram::run_conv});
+  if (full_layer()) {
+    steps_.push_back({"gate GEMMs (g1, g2)", &LayerProgram::run_gates});
+    steps_.push_back({"prep + recurrence", &LayerProgram::run_recurrence});
+    steps_.push_back({"gated RMSNorm", &LayerProgram::run_rmsnorm});
+    steps_.push_back({"o_proj GEMM", &LayerProgram::run_o_proj});
+  }
+}
+
+StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const char* slot, const StagingLayout& staging,
+                                const LayerWeights* weights, float* conv_pool, float* recurrent_pool) const {
+  StepInputs in;
+  StepContext& ctx = in.ctx;
+  ctx.layer = layer;
+  ctx.bucket_tokens = bucket;
+  ctx.max_seqs = config_.runtime.max_seqs;
+  ctx.query_start_loc = reinterpret_cast<const int32_t*>(slot + staging.qsl_offset);
+  ctx.cache_indices = reinterpret_cast<const int32_t*>(slot + staging.cache_offset);
+  ctx.has_initial_state = reinterpret_cast<const bool*>(slot + staging.flags_offset);
+  const int64_t row0 = window * B;
+  ctx.hidden = hidden.as<char>() + row0 * D * 2;
+  ctx.in_proj_out = in_proj_out.get();
+  ctx.q = planes.as<char>() + (0 * capacity + row0) * P * 2;
+  ctx.k = planes.as<char>() + (1 * capacity + row0) * P * 2;
+  ctx.v = planes.as<char>() + (2 * capacity + row0) * P * 2;
+  ctx.out = output.as<char>() + row0 * D * 2;
+  ctx.conv_states = conv_pool;
+  ctx.recurrent_states = recurrent_pool;
+  ctx.weights = weights;
+  ctx.config = &config_;
+  in.g1 = g1_.get();
+  in.g2 = g2_.get();
+  in.o = o_.get();
+  in.y = y_.get();
+  in.gemm_workspace = gemm_workspace_.get();
+  in.gemm_workspace_bytes = gemm_workspace_.bytes();
+  in.chunked_workspace = chunked_workspace_.get();
+  in.chunked_workspace_bytes = chunked_workspace_.bytes();
+  return in;
+}
+
+LayerProgram::Unsupported LayerProgram::why_unsupported(const StepInputs& in) const {
+  Unsupported u;
+  if (!packed_causal_conv1d_supported(conv_args_for_step(in.ctx), &u.why)) {
+    u.step = "the packed conv";
+  } else if (full_layer()) {
+    const PrepRecurrenceArgs rec = recurrence_args_for_step(in);
+    if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_prep_recurrence_supported(rec, &u.why))
+      u.step = "the recurrence";
+    else if (!gated_rmsnorm_supported(rmsnorm_args_for_step(in), &u.why))
+      u.step = "the gated RMSNorm";
+  }
+  return u;
+}
+
+// (1) in_proj: hidden rows [w*B, w*B + bucket) -> in_proj output rows [0, bucket).
+void LayerProgram::run_in_proj(const StepInputs& in, Stream stream) const {
+  const StepContext& ctx = in.ctx;
+  const GemmPlan& plan =
+      ctx.weights->in_proj_rows == in_stride && in_proj_gemm_padded_ ? *in_proj_gemm_padded_ : *in_proj_gemm_;
+  plan.run(ctx.bucket_tokens, ctx.hidden, ctx.weights->in_proj, ctx.in_proj_out, in.gemm_workspace,
+           in.gemm_workspace_bytes, stream);
+}
+
+// (2) packed conv of the Q|K|V columns into the window's plane rows, updating the conv pool.
+void LayerProgram::run_conv(const StepInputs& in, Stream stream) const {
+  packed_causal_conv1d(conv_args_for_step(in.ctx), stream);
+}
+
+// (3) the gate projections g1 = f_a f_b^T and g2 = g_a g_b^T, reading the in_proj output.
+void LayerProgram::run_gates(const StepInputs& in, Stream stream) const {
+  const StepContext& ctx = in.ctx;
+  const char* x = static_cast<const char*>(ctx.in_proj_out);
+  g1_gemm_->run(ctx.bucket_tokens, x + f_a_col_ * 2, ctx.weights->f_b, in.g1, in.gemm_workspace,
+                in.gemm_workspace_bytes, stream);
+  g2_gemm_->run(ctx.bucket_tokens, x + g_a_col_ * 2, ctx.weights->g_b, in.g2, in.gemm_workspace,
+                in.gemm_workspace_bytes, stream);
+}
+
+// (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the recurrent
+// pool line read and written back.
+void LayerProgram::run_recurrence(const StepInputs& in, Stream stream) const {
+  const PrepRecurrenceArgs args = recurrence_args_for_step(in);
+  if (chunked())
+    kda_chunked(args, in.chunked_workspace, in.chunked_workspace_bytes, stream);
+  else
+    kda_prep_recurrence(args, stream);
+}
+
+// (6) gated RMSNorm per head.
+void LayerProgram::run_rmsnorm(const StepInputs& in, Stream stream) const {
+  gated_rmsnorm(rmsnorm_args_for_step(in), stream);
+}
+
+// (7) o_proj into the window's rows of the output buffer.
+void LayerProgram::run_o_proj(const StepInputs& in, Stream stream) const {
+  const StepContext& ctx = in.ctx;
+  o_proj_gemm_->run(ctx.bucket_tokens, in.y, ctx.weights->o_proj, ctx.out, in.gemm_workspace, in.gemm_workspace_bytes,
+                    stream);
+}
+
+}  // namespace kda::detail

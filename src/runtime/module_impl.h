@@ -1,0 +1,123 @@
+// PrefillModule::Impl: the module's state, shared by the files that implement it by job:
+//   prefill_module.cpp  construction, accessors, step list and tensor-parallel switches, stats
+//   forward.cpp         staging, windows, graph capture and replay
+//   weights.cpp         set / upload / random weights
+//   diagnostics.cpp     self_check and profile_steps
+// The layer's buffers, GEMM plans, built-in steps and kernel-argument adapters are the
+// LayerProgram's (layer_program.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/device_memory.h"
+#include "graph_cache.h"
+#include "kda/prefill.h"
+#include "runtime/batch_plan.h"
+#include "runtime/layer_program.h"
+
+namespace kda {
+
+struct PrefillModule::Impl {
+  // How run_window executes a (layer, window): as configured, forced eager, or forced graph
+  // replay (capturing a missing graph without the warm-up run, for self_check).
+  enum class Mode { Auto, Eager, Replay };
+
+  explicit Impl(const Config& cfg);
+  ~Impl();
+
+  // Fixed at construction.
+  const Config config;
+  int device = 0;  // the CUDA device everything is allocated on
+  int num_layers = 0;
+  detail::LayerProgram program;
+  detail::StagingLayout staging;
+  std::size_t conv_pool_bytes = 0, rec_pool_bytes = 0;
+
+  // State pools, one of each per layer, zeroed at construction.
+  std::vector<detail::DeviceBuffer> conv_pools, rec_pools;
+
+  // Staging. Device: one slot per window, single-buffered (the stream orders every forward's
+  // copy after the previous forward's reads). Host: a ring of kHostStagingSlots pinned buffers;
+  // staging_done[h] is recorded after the copy out of buffer h, so refilling it waits only for
+  // the copy kHostStagingSlots forwards back, and the host may run that many forwards ahead of
+  // the GPU without blocking in begin_forward.
+  static constexpr int kHostStagingSlots = 4;
+  detail::DeviceBuffer staging_dev;
+  detail::PinnedBuffer staging_host[kHostStagingSlots];
+  detail::Event staging_done[kHostStagingSlots];
+  int staging_next = 0;
+  detail::PinnedBuffer padding_slot;  // one slot of an all-padding batch: every sequence empty
+
+  detail::GraphCache graphs;
+  detail::BatchValidator validator;
+
+  // Weights. Graphs record weight pointers: a layer's version changes when its pointers change,
+  // which makes its graphs stale (re-recorded on next use).
+  std::vector<LayerWeights> weights;
+  std::vector<char> has_weights;  // per layer, 0 or 1
+  std::vector<uint64_t> weights_version;
+  uint64_t next_version = 1;
+  std::vector<detail::DeviceBuffer> uploaded_weights;  // per layer, for upload_layer_weights
+  detail::DeviceBuffer random_storage;                 // init_random_weights
+
+  // Steps after the built-in ones. Tensor parallelism: the server's communicator (not owned)
+  // and the partial-output switch. All three are fixed from the first forward on, so every
+  // recorded graph and eager run has the same step list.
+  std::vector<Step> user_steps;
+  ncclComm_t comm = nullptr;
+  bool partial_output = false;
+
+  // The forward in flight.
+  std::vector<detail::WindowPlan> windows, next_windows;
+  bool batch_staged = false;
+  bool forward_started = false;
+  bool eager = false;
+  bool kernels_warm = false;          // the eager-capture warm-up has run
+  bool eager_graphs_current = false;  // every window-0 graph of every layer with weights is recorded
+
+  // Statistics.
+  int64_t forwards = 0, layer_calls = 0, eager_runs = 0;
+  double begin_us_total = 0, layer_us_total = 0;
+
+  bool graphs_active() const { return config.runtime.use_graphs && !eager; }
+  bool all_reduce_active() const { return program.full_layer() && comm != nullptr && !partial_output; }
+  const char* staging_slot(int window) const { return staging_dev.as<const char>() + window * staging.slot_bytes; }
+
+  void check_layer(int layer, const char* fn) const;
+  void check_layer_ready(int layer, const char* fn) const;
+  void check_tp_ready(const char* fn) const;
+
+  // The inputs of (layer, window) at `bucket` rows, reading the window's device staging slot.
+  detail::StepInputs inputs(int layer, int window, int64_t bucket) const;
+  // Calls f(name, run) for every step in recorded order: built-ins, the all-reduce when active,
+  // then user steps; run(inputs, stream) enqueues the step.
+  template <typename F>
+  void for_each_step(F&& f) const;
+  void run_steps(const detail::StepInputs& in, Stream stream) const;
+  void all_reduce(const detail::StepInputs& in, Stream stream) const;
+
+  // forward.cpp
+  void stage(const BatchView& batch, Stream stream);
+  void run_window(int layer, int window, Mode mode, Stream stream);
+  void capture_eager_graphs(Stream stream);
+
+  // weights.cpp
+  void set_weights(int layer, const LayerWeights& w, const char* fn);
+};
+
+template <typename F>
+void PrefillModule::Impl::for_each_step(F&& f) const {
+  for (int i = 0; i < program.num_steps(); ++i)
+    f(std::string(program.step_name(i)),
+      [this, i](const detail::StepInputs& in, Stream s) { program.run_step(i, in, s); });
+  if (all_reduce_active())
+    f(std::string("all-reduce"), [this](const detail::StepInputs& in, Stream s) { all_reduce(in, s); });
+  for (std::size_t i = 0; i < user_steps.size(); ++i)
+    f("user step " + std::to_string(i),
+      [this, i](const detail::StepInputs& in, Stream s) { user_steps[i](in.ctx, s); });
+}
+
+}  // namespace kda

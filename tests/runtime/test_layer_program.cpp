@@ -1,0 +1,95 @@
+// The layer program's StepContext -> kernel-arguments adapters read the module's layout; host
+// only, no device.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kda/error.h"
+#include "kda/prefill.h"
+#include "runtime/layer_program.h"
+
+namespace {
+
+// Distinct, suitably aligned addresses that are never dereferenced.
+template <typename T>
+T* fake(uintptr_t slot) {
+  return reinterpret_cast<T*>(uintptr_t{1} << 20 | slot << 12);
+}
+
+}  // namespace
+
+TEST_CASE("the StepContext adapters read the module's layout") {
+  kda::Config config;
+  config.model.hidden_size = 2304;
+  config.model.num_heads = 4;
+  config.model.norm_eps = 2e-5;
+  config.model.gate_lower_bound = -5.0;
+  config.pools.cache_lines = 9;
+  config.pools.null_line = 0;
+  kda::LayerWeights weights;
+  weights.A_log = fake<const float>(20);
+  weights.dt_bias = fake<const float>(21);
+  weights.o_norm_weight = fake<const void>(22);
+  kda::StepContext ctx;
+  ctx.bucket_tokens = 512;
+  ctx.max_seqs = 16;
+  ctx.query_start_loc = fake<const int32_t>(1);
+  ctx.cache_indices = fake<const int32_t>(2);
+  ctx.has_initial_state = fake<const bool>(3);
+  ctx.in_proj_out = fake<void>(4);
+  ctx.q = fake<void>(5);
+  ctx.k = fake<void>(6);
+  ctx.v = fake<void>(7);
+  ctx.recurrent_states = fake<float>(8);
+  ctx.weights = &weights;
+  ctx.config = &config;
+  const int64_t p = 512;
+
+  kda::detail::StepInputs in;
+  in.ctx = ctx;
+  in.g1 = fake<void>(30);
+  in.o = fake<void>(31);
+  in.g2 = fake<void>(32);
+  in.y = fake<void>(33);
+  const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+  CHECK(r.num_heads == 4);
+  CHECK(r.num_tokens == 512);
+  CHECK(r.max_seqs == 16);
+  CHECK(r.qkv_row_stride == p);
+  CHECK(r.b == ctx.in_proj_out);
+  CHECK(r.b_col_offset == 3 * p);
+  CHECK(r.b_row_stride == config.model.in_proj_stride());
+  CHECK(r.a_log == weights.A_log);
+  CHECK(r.gate_lower_bound == -5.0);
+  CHECK(r.cache_lines == 9);
+  CHECK(r.state_stride_line == 4 * 128 * 128);
+  CHECK(r.state_stride_v == 1);
+  std::string why;
+  CHECK(kda::kda_prep_recurrence_supported(r, &why));
+  CHECK(why.empty());
+
+  const kda::GatedRmsNormArgs g = kda::detail::rmsnorm_args_for_step(in);
+  CHECK(g.num_tokens == 512);
+  CHECK(g.num_seqs == 16);
+  CHECK(g.eps == 2e-5);
+  CHECK(g.weight == weights.o_norm_weight);
+  CHECK(kda::gated_rmsnorm_supported(g, &why));
+
+  config.runtime.token_buckets = {256, 512};  // batch_token_capacity() 512: the planes' stride
+  const kda::PackedConvArgs c = kda::detail::conv_args_for_step(in.ctx);
+  CHECK(c.x == ctx.in_proj_out);
+  CHECK(c.dim == 3 * p);
+  CHECK(c.part_dim == p);
+  CHECK(c.x_row_stride == config.model.in_proj_stride());
+  CHECK(c.num_tokens == 512);
+  CHECK(c.num_seqs == 16);
+  CHECK(c.num_cache_lines == 9);
+  CHECK(c.state_stride_line == 3 * p * 3);
+  CHECK(c.out == ctx.q);
+  CHECK(c.out_plane_stride == 512 * p);
+  CHECK(c.null_block_id == 0);
+
+  in.ctx.weights = nullptr;
+  CHECK_THROWS_AS(kda::detail::recurrence_args_for_step(in), kda::Error);
+}
