@@ -2,14 +2,15 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "kda/error.h"
+
 namespace kda {
 
-// Shapes of one KDA layer on this tensor-parallel rank (../docs/config.md lists the YAML keys).
+// Shapes of one KDA layer on this tensor-parallel rank (docs/config.md lists the YAML keys).
 struct ModelConfig {
   int64_t hidden_size = 0;                  // D                                    (model.hidden_size)
   int64_t num_heads = 0;                    // H on this rank                       (model.num_heads)
@@ -26,7 +27,7 @@ struct ModelConfig {
 };
 
 enum class CaptureMode {
-  Eager,  // capture every (bucket, layer) graph when the module is constructed
+  Eager,  // record every (bucket, layer) window-0 graph at the first begin_forward
   Lazy,   // capture a graph the first time a batch needs it
 };
 
@@ -68,7 +69,7 @@ struct PoolConfig {
 // Tensor parallelism: this module runs rank `rank` of `size` ranks; model.num_heads is the heads
 // on this rank (the full model has num_heads x size). The ranks' layer outputs must be summed
 // (o_proj is row-parallel): by the module's NCCL all-reduce (PrefillModule::set_communicator) or
-// by the caller (set_partial_output). runtime/tp_shard.h cuts a full layer's weights and pools.
+// by the caller (set_partial_output). src/testing/tp_shard.h (test-only) cuts a full layer's weights and pools.
 struct TensorParallelConfig {
   int64_t size = 1;  //                                                       (tensor_parallel.size)
   int64_t rank = 0;  //                                                       (tensor_parallel.rank)
@@ -80,11 +81,6 @@ struct Config {
   PoolConfig pools;
   TensorParallelConfig tensor_parallel;  // optional section; default one rank
   std::string name;  // for display only; empty when absent (top-level `name:`)
-
-  // Where the values came from, for error messages: the file name, and the line of each key
-  // path that was read ("runtime.token_buckets[2]" -> 14). Empty for configs built in code.
-  std::string source;
-  std::map<std::string, int> key_lines;
 
   // fp32 elements of one layer's pools (PrefillModule allocates exactly these): conv
   // (cache_lines, 3P, 3), recurrent (cache_lines, H, head_dim, head_dim).
@@ -104,8 +100,9 @@ Config load_config(const std::string& path);
 // Same, from YAML text; `source` names it in messages.
 Config parse_config(const std::string& yaml_text, const std::string& source = "<string>");
 
-// Checks a Config however it was built (load_config calls it). Throws kda::Error with the
-// key path, and the file and line when config.key_lines knows them.
+// Checks a Config however it was built. Throws kda::Error naming the key path
+// ("runtime.token_buckets[2]: ..."); load_config and parse_config validate too, and their
+// errors also name the file and line.
 void validate_config(const Config& config);
 
 }  // namespace kda

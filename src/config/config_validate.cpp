@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "config/config_source.h"
 #include "kda/config.h"
 
 namespace kda {
@@ -28,14 +29,14 @@ constexpr int64_t kMaxCacheLines = int64_t{1} << 24;
 
 class Validator {
  public:
-  explicit Validator(const Config& config) : config_(config) {}
+  Validator(const Config& config, const detail::ConfigSource* where) : config_(config), where_(where) {}
 
   // "<source>:<line>: <path>: <what>", with as much of the location as the config knows.
   [[noreturn]] void fail(const std::string& path, const std::string& what) const {
     std::string where;
-    if (!config_.source.empty()) {
-      where = config_.source;
-      if (auto it = config_.key_lines.find(path); it != config_.key_lines.end() && it->second > 0)
+    if (where_ && !where_->file.empty()) {
+      where = where_->file;
+      if (auto it = where_->key_lines.find(path); it != where_->key_lines.end() && it->second > 0)
         where += str_cat(':', it->second);
       where += ": ";
     }
@@ -137,16 +138,19 @@ class Validator {
 
  private:
   const Config& config_;
+  const detail::ConfigSource* where_;
 };
 
 }  // namespace
 
-void validate_config(const Config& config) {
-  const Validator v(config);
+void detail::validate_config(const Config& config, const ConfigSource* where) {
+  const Validator v(config, where);
   v.model();
   v.runtime();
   v.pools();
   v.tensor_parallel();
 }
+
+void validate_config(const Config& config) { detail::validate_config(config, nullptr); }
 
 }  // namespace kda

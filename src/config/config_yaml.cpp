@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "config/config_source.h"
 #include "kda/config.h"
 
 namespace kda {
@@ -111,17 +112,16 @@ struct Entry {
 
 class Reader {
  public:
-  Reader(const char* function, const std::string& source, Config& config)
-      : function_(function), source_(source), config_(config) {}
+  Reader(const char* function, detail::ConfigSource& where) : function_(function), where_(where) {}
 
   [[noreturn]] void fail(int line, const std::string& path, const std::string& what) const {
-    std::string where = source_;
+    std::string where = where_.file;
     if (line > 0) where += str_cat(':', line);
     KDA_FAIL(function_, where, ": ", path.empty() ? "" : path + ": ", what);
   }
 
   // The entries of a map node keyed by name, after rejecting a non-map, non-scalar keys,
-  // duplicate keys and keys not in `known`. Records each key's line in config.key_lines.
+  // duplicate keys and keys not in `known`. Records each key's line.
   std::map<std::string, Entry> section(const YAML::Node& node, const std::string& path,
                                        int line, const std::vector<std::string>& known) {
     if (!node.IsMap())
@@ -144,7 +144,7 @@ class Reader {
       if (std::find(known.begin(), known.end(), name) == known.end())
         fail(key_line, key_path, unknown_key_message(name, known));
       entries[name] = Entry{key_path, key_line, it->second};
-      config_.key_lines[key_path] = key_line;
+      record_line(key_path, key_line);
     }
     return entries;
   }
@@ -229,7 +229,7 @@ class Reader {
     fail(entry.line, entry.path, str_cat("expected ", first, " or ", second, ", got ", describe(entry.value)));
   }
 
-  Config& config() { return config_; }
+  void record_line(const std::string& path, int line) { where_.key_lines[path] = line; }
 
  private:
   static std::string unknown_key_message(const std::string& name,
@@ -251,8 +251,7 @@ class Reader {
   }
 
   const char* function_;
-  const std::string& source_;
-  Config& config_;
+  detail::ConfigSource& where_;
 };
 
 void read_model(Reader& r, const Entry& section, ModelConfig& model) {
@@ -283,7 +282,7 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
     const YAML::Node item = buckets.value[i];
     const std::string path = str_cat(buckets.path, '[', i, ']');
     const int line = line_of(item) > 0 ? line_of(item) : buckets.line;
-    r.config().key_lines[path] = line;
+    r.record_line(path, line);
     runtime.token_buckets.push_back(r.integer(item, path, line));
   }
   if (const Entry* v = r.find(e, "max_seqs")) runtime.max_seqs = r.integer(*v);
@@ -324,10 +323,11 @@ void read_tensor_parallel(Reader& r, const Entry& section, TensorParallelConfig&
   if (const Entry* v = r.find(e, "rank")) tp.rank = r.integer(*v);
 }
 
-Config parse(const std::string& yaml_text, const std::string& source, const char* function) {
+Config parse(const std::string& yaml_text, const std::string& source, const char* function,
+             detail::ConfigSource& where) {
   Config config;
-  config.source = source;
-  Reader r(function, source, config);
+  where = detail::ConfigSource{source, {}};
+  Reader r(function, where);
 
   std::vector<YAML::Node> documents;
   try {
@@ -355,17 +355,11 @@ Config parse(const std::string& yaml_text, const std::string& source, const char
   read_pools(r, section("pools"), config.pools);
   if (const Entry* tp = r.find(top, "tensor_parallel")) read_tensor_parallel(r, *tp, config.tensor_parallel);
 
-  validate_config(config);
+  detail::validate_config(config, &where);
   return config;
 }
 
-}  // namespace
-
-Config parse_config(const std::string& yaml_text, const std::string& source) {
-  return parse(yaml_text, source, "kda::parse_config");
-}
-
-Config load_config(const std::string& path) {
+std::string read_file(const std::string& path) {
   std::FILE* file = std::fopen(path.c_str(), "rb");
   if (!file) KDA_FAIL("kda::load_config", path, ": cannot open the config file: ", std::strerror(errno));
   std::string text;
@@ -377,7 +371,28 @@ Config load_config(const std::string& path) {
   std::fclose(file);
   if (read_error)
     KDA_FAIL("kda::load_config", path, ": cannot read the config file: ", std::strerror(read_errno));
-  return parse(text, path, "kda::load_config");
+  return text;
+}
+
+}  // namespace
+
+Config detail::parse_config_with_source(const std::string& yaml_text, const std::string& source,
+                                        ConfigSource& where) {
+  return parse(yaml_text, source, "kda::parse_config", where);
+}
+
+Config detail::load_config_with_source(const std::string& path, ConfigSource& where) {
+  return parse(read_file(path), path, "kda::load_config", where);
+}
+
+Config parse_config(const std::string& yaml_text, const std::string& source) {
+  detail::ConfigSource where;
+  return detail::parse_config_with_source(yaml_text, source, where);
+}
+
+Config load_config(const std::string& path) {
+  detail::ConfigSource where;
+  return detail::load_config_with_source(path, where);
 }
 
 }  // namespace kda

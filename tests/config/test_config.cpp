@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "config/config_source.h"
 #include "kda/config.h"
 #include "kda/error.h"
 
@@ -62,14 +63,14 @@ std::string minimal_with(const std::string& section, const std::string& line) {
 }
 
 // Every recorded line of a loaded file holds its key (or, for a list item, its value).
-void check_key_lines_match_file(const kda::Config& c) {
-  std::ifstream in(c.source);
+void check_key_lines_match_file(const kda::Config& c, const kda::detail::ConfigSource& where) {
+  std::ifstream in(where.file);
   REQUIRE(in);
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
-  REQUIRE_FALSE(c.key_lines.empty());
-  for (const auto& [path, line] : c.key_lines) {
-    INFO(c.source << ": " << path << " at line " << line);
+  REQUIRE_FALSE(where.key_lines.empty());
+  for (const auto& [path, line] : where.key_lines) {
+    INFO(where.file << ": " << path << " at line " << line);
     REQUIRE(line >= 1);
     REQUIRE(line <= static_cast<int>(lines.size()));
     const std::string& text = lines[static_cast<std::size_t>(line - 1)];
@@ -97,8 +98,9 @@ kda::Config code_config() {
 
 TEST_CASE("the shipped configs load with the documented sizes") {
   SUBCASE("seed scale") {
-    const kda::Config c = kda::load_config(source_path("configs/default.yaml"));
-    check_key_lines_match_file(c);
+    kda::detail::ConfigSource where;
+    const kda::Config c = kda::detail::load_config_with_source(source_path("configs/default.yaml"), where);
+    check_key_lines_match_file(c, where);
     CHECK(c.name == "seed-scale");
     CHECK(c.model.hidden_size == 7168);
     CHECK(c.model.num_heads == 12);
@@ -123,11 +125,12 @@ TEST_CASE("the shipped configs load with the documented sizes") {
     CHECK(c.pools.null_line == 0);
     CHECK(c.conv_pool_elems() == 513 * 4608 * 3);
     CHECK(c.recurrent_pool_elems() == 513ll * 12 * 128 * 128);
-    CHECK(c.source == source_path("configs/default.yaml"));
+    CHECK(where.file == source_path("configs/default.yaml"));
   }
   SUBCASE("Kimi-Linear-48B-A3B at TP 1") {
-    const kda::Config c = kda::load_config(source_path("configs/kimi-linear-48b-tp1.yaml"));
-    check_key_lines_match_file(c);
+    kda::detail::ConfigSource where;
+    const kda::Config c = kda::detail::load_config_with_source(source_path("configs/kimi-linear-48b-tp1.yaml"), where);
+    check_key_lines_match_file(c, where);
     CHECK(c.name == "kimi-linear-48b-tp1");
     CHECK(c.model.hidden_size == 2304);
     CHECK(c.model.num_heads == 32);
@@ -140,8 +143,9 @@ TEST_CASE("the shipped configs load with the documented sizes") {
     CHECK(c.pools.cache_lines == 513);
   }
   SUBCASE("tiny, for tests") {
-    const kda::Config c = kda::load_config(source_path("configs/tiny.yaml"));
-    check_key_lines_match_file(c);
+    kda::detail::ConfigSource where;
+    const kda::Config c = kda::detail::load_config_with_source(source_path("configs/tiny.yaml"), where);
+    check_key_lines_match_file(c, where);
     CHECK(c.name == "tiny");
     CHECK(c.model.hidden_size == 256);
     CHECK(c.model.num_heads == 2);
@@ -161,7 +165,8 @@ TEST_CASE("absent optional keys take the defaults of config.h") {
   const kda::Config c = kda::parse_config(kMinimal);
   const kda::Config defaults;
   CHECK(c.name.empty());
-  CHECK(c.source == "<string>");
+  // parse_config's default source name is what its messages start with.
+  CHECK_THROWS_WITH_AS(kda::parse_config("model: [1]"), doctest::Contains("kda::parse_config: <string>:"), kda::Error);
   CHECK(c.model.head_dim == 128);
   CHECK(c.model.gate_rank == 128);
   CHECK(c.model.conv_width == 4);
@@ -261,17 +266,18 @@ TEST_CASE("key_lines records the 1-based line of every key path read") {
       "  max_seqs: 4\n"                    // 9
       "pools:\n"                           // 10
       "  cache_lines: 33\n";               // 11
-  const kda::Config c = kda::parse_config(yaml, "lines.yaml");
-  CHECK(c.source == "lines.yaml");
-  CHECK(c.key_lines.at("model") == 2);
-  CHECK(c.key_lines.at("model.hidden_size") == 3);
-  CHECK(c.key_lines.at("model.num_heads") == 4);
-  CHECK(c.key_lines.at("runtime.token_buckets") == 6);
-  CHECK(c.key_lines.at("runtime.token_buckets[0]") == 7);
-  CHECK(c.key_lines.at("runtime.token_buckets[1]") == 8);
-  CHECK(c.key_lines.at("runtime.max_seqs") == 9);
-  CHECK(c.key_lines.at("pools.cache_lines") == 11);
-  CHECK(c.key_lines.count("runtime.num_layers") == 0);  // absent keys have no line
+  kda::detail::ConfigSource where;
+  kda::detail::parse_config_with_source(yaml, "lines.yaml", where);
+  CHECK(where.file == "lines.yaml");
+  CHECK(where.key_lines.at("model") == 2);
+  CHECK(where.key_lines.at("model.hidden_size") == 3);
+  CHECK(where.key_lines.at("model.num_heads") == 4);
+  CHECK(where.key_lines.at("runtime.token_buckets") == 6);
+  CHECK(where.key_lines.at("runtime.token_buckets[0]") == 7);
+  CHECK(where.key_lines.at("runtime.token_buckets[1]") == 8);
+  CHECK(where.key_lines.at("runtime.max_seqs") == 9);
+  CHECK(where.key_lines.at("pools.cache_lines") == 11);
+  CHECK(where.key_lines.count("runtime.num_layers") == 0);  // absent keys have no line
 }
 
 TEST_CASE("validation errors of a parsed file name the file, line and key path") {
@@ -301,9 +307,10 @@ TEST_CASE("validation errors of a parsed file name the file, line and key path")
                          kda::Error);
   }
   SUBCASE("a key left at its default has the file but no line") {
-    kda::Config c = kda::parse_config(kMinimal, "x.yaml");
+    kda::detail::ConfigSource where;
+    kda::Config c = kda::detail::parse_config_with_source(kMinimal, "x.yaml", where);
     c.runtime.num_layers = 0;
-    CHECK(validate_error(c) ==
+    CHECK(error_of([&] { kda::detail::validate_config(c, &where); }, "kda::validate_config") ==
           "x.yaml: runtime.num_layers: 0 is outside [1, 1024]; KDA layers per module");
   }
   SUBCASE("validation errors thrown through parse_config come from validate_config") {
@@ -729,14 +736,19 @@ TEST_CASE("tensor_parallel size and rank are checked together, in files and in c
   CHECK(validate_error(c).find("tensor_parallel.size: -2 is outside [1, 64]") == 0);
 }
 
-TEST_CASE("validate_config prefixes source and line when key_lines has the path") {
+TEST_CASE("validate_config prefixes source and line when the config source has the path") {
   kda::Config c = code_config();
   c.runtime.token_buckets = {16, 8};
-  c.source = "mine.yaml";
-  c.key_lines["runtime.token_buckets[1]"] = 12;
-  CHECK(validate_error(c) == "mine.yaml:12: runtime.token_buckets[1]: 8 after 16, buckets must increase");
-  c.key_lines.clear();
-  CHECK(validate_error(c) == "mine.yaml: runtime.token_buckets[1]: 8 after 16, buckets must increase");
+  kda::detail::ConfigSource where;
+  where.file = "mine.yaml";
+  where.key_lines["runtime.token_buckets[1]"] = 12;
+  const auto error_with_source = [&] {
+    return error_of([&] { kda::detail::validate_config(c, &where); }, "kda::validate_config");
+  };
+  CHECK(error_with_source() == "mine.yaml:12: runtime.token_buckets[1]: 8 after 16, buckets must increase");
+  where.key_lines.clear();
+  CHECK(error_with_source() == "mine.yaml: runtime.token_buckets[1]: 8 after 16, buckets must increase");
+  CHECK(validate_error(c) == "runtime.token_buckets[1]: 8 after 16, buckets must increase");
 }
 
 TEST_CASE("the what() string carries the function and the throwing source file") {
