@@ -70,7 +70,7 @@ struct LayerWeights {
   const void* in_proj = nullptr;        // (in_proj_rows, D) bf16: rows q|k|v|b|f_a|g_a
   // Rows of in_proj: 0 or in_proj_cols() (3P + H + 2r), or in_proj_stride() when the weight is
   // padded with rows that are never read back (zeros, say). The padded width lets the in_proj
-  // GEMM run with N a multiple of 64 (docs/perf-notes.md has the measured difference).
+  // GEMM run with N a multiple of 16, a much faster width (docs/perf.md).
   int64_t in_proj_rows = 0;
   const float* conv_weight = nullptr;   // (3P, 4) fp32
   const void* f_b = nullptr;            // (P, r) bf16
