@@ -1,116 +1,43 @@
 // Benchmark of the packed Q|K|V conv against the stock-path baseline and a device copy of
-// the same bytes, at the KDA seed scale (part_dim 1536 x 3, in_proj row stride 4864).
+// the same bytes, at the KDA seed scale (bench_util.h's seed_model(): part_dim 1536 x 3, in_proj
+// row stride 4928).
 //
-//   bench_conv [--quick] [--out FILE]
+//   bench_conv [--quick] [--case TOKENSxSEQS] [--out FILE]
 //
 // Prints a markdown table (and writes it to FILE with --out). Exits 2 without a usable GPU,
 // 1 when the packed and stock outputs differ on the benchmarked data or on an error, else 0
 // (a missed target is reported in the table, not in the exit code).
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "conv/stock_conv.h"
+#include "kda/config.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
+#include "runtime/random_weights.h"
 
 namespace {
 
-constexpr int64_t kPartDim = 1536;
+using kda::bench::DeviceMem;
+using kda::bench::fixed;
+
+const kda::ModelConfig kModel = kda::bench::seed_model();
 constexpr int64_t kParts = 3;
-constexpr int64_t kDim = kPartDim * kParts;
-constexpr int64_t kRowStride = 4864;  // the in_proj output row: Q|K|V|b|f_a|g_a, padded
+const int64_t kPartDim = kModel.part_dim();
+const int64_t kDim = kPartDim * kParts;
+const int64_t kRowStride = kModel.in_proj_stride();  // the in_proj output row: Q|K|V|b|f_a|g_a, padded
 constexpr int64_t kStateLen = 3;
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
-}
-#define BENCH_CUDA(expr) cuda_ok((expr), #expr)
-
-class DeviceMem {
- public:
-  explicit DeviceMem(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_) BENCH_CUDA(cudaMalloc(&ptr_, bytes_));
-  }
-  ~DeviceMem() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  DeviceMem(DeviceMem&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-  DeviceMem& operator=(DeviceMem&&) = delete;
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-__device__ uint32_t hash32(uint64_t i, uint32_t seed) {
-  uint64_t z = i * 0x9E3779B97F4A7C15ull + seed;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return static_cast<uint32_t>(z >> 32);
-}
-
-// Uniform in [lo, hi) from the element index: deterministic data without a host copy.
-__device__ float uniform_at(uint64_t i, uint32_t seed, float lo, float hi) {
-  return lo + (hi - lo) * static_cast<float>(hash32(i, seed) >> 8) * 0x1p-24f;
-}
-
-__global__ void fill_bf16_kernel(__nv_bfloat16* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    p[i] = __float2bfloat16_rn(uniform_at(static_cast<uint64_t>(i), seed, -3.0f, 3.0f));
-}
-
-__global__ void fill_f32_kernel(float* p, int64_t n, uint32_t seed, float lo, float hi) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    p[i] = uniform_at(static_cast<uint64_t>(i), seed, lo, hi);
-}
-
-__global__ void count_diff_bits_kernel(const uint32_t* a, const uint32_t* b, int64_t words,
-                                       unsigned long long* bits) {
-  unsigned long long n = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < words; i += int64_t{gridDim.x} * blockDim.x)
-    n += __popc(a[i] ^ b[i]);
-  if (n) atomicAdd(bits, n);
-}
-
-constexpr unsigned kFillThreads = 256;
-constexpr unsigned kFillBlocks = 4096;
-
-void fill_bf16(void* p, int64_t n, uint32_t seed) {
-  fill_bf16_kernel<<<kFillBlocks, kFillThreads>>>(static_cast<__nv_bfloat16*>(p), n, seed);
-  BENCH_CUDA(cudaGetLastError());
-}
-
-void fill_f32(float* p, int64_t n, uint32_t seed, float lo, float hi) {
-  fill_f32_kernel<<<kFillBlocks, kFillThreads>>>(p, n, seed, lo, hi);
-  BENCH_CUDA(cudaGetLastError());
-}
-
-uint64_t diff_bits(const void* a, const void* b, std::size_t bytes) {
-  DeviceMem count(sizeof(unsigned long long));
-  BENCH_CUDA(cudaMemset(count.get(), 0, count.bytes()));
-  count_diff_bits_kernel<<<kFillBlocks, kFillThreads>>>(static_cast<const uint32_t*>(a), static_cast<const uint32_t*>(b),
-                                                       static_cast<int64_t>(bytes / 4), count.get<unsigned long long>());
-  BENCH_CUDA(cudaGetLastError());
-  unsigned long long n = 0;
-  BENCH_CUDA(cudaMemcpy(&n, count.get(), sizeof n, cudaMemcpyDeviceToHost));
-  return n;
-}
+constexpr uint64_t kSeed = 20240601;
+constexpr uint64_t kTensorId = uint64_t{1} << 42;  // fills of this benchmark: ids from here
 
 struct Case {
   int64_t tokens, seqs;
@@ -138,45 +65,6 @@ struct BufferSet {
         states(static_cast<std::size_t>(lines * kDim * kStateLen) * 4) {}
 };
 
-class EventTimer {
- public:
-  explicit EventTimer(int iters) : start_(static_cast<std::size_t>(iters)), stop_(static_cast<std::size_t>(iters)) {
-    for (auto* v : {&start_, &stop_})
-      for (cudaEvent_t& e : *v) BENCH_CUDA(cudaEventCreate(&e));
-  }
-  ~EventTimer() {
-    for (auto* v : {&start_, &stop_})
-      for (cudaEvent_t e : *v) cudaEventDestroy(e);
-  }
-  EventTimer(const EventTimer&) = delete;
-  EventTimer& operator=(const EventTimer&) = delete;
-
-  // Median GPU time of iters launches of launch(set), sets taken round-robin after warmup
-  // launches; each launch is bracketed by its own pair of events.
-  template <typename F>
-  double median_us(int warmup, int num_sets, cudaStream_t stream, F&& launch) {
-    const int iters = static_cast<int>(start_.size());
-    for (int i = 0; i < warmup; ++i) launch(i % num_sets);
-    for (int i = 0; i < iters; ++i) {
-      BENCH_CUDA(cudaEventRecord(start_[static_cast<std::size_t>(i)], stream));
-      launch((warmup + i) % num_sets);
-      BENCH_CUDA(cudaEventRecord(stop_[static_cast<std::size_t>(i)], stream));
-    }
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    std::vector<double> us(static_cast<std::size_t>(iters));
-    for (int i = 0; i < iters; ++i) {
-      float ms = 0.0f;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, start_[static_cast<std::size_t>(i)], stop_[static_cast<std::size_t>(i)]));
-      us[static_cast<std::size_t>(i)] = 1000.0 * ms;
-    }
-    std::sort(us.begin(), us.end());
-    return us[us.size() / 2];
-  }
-
- private:
-  std::vector<cudaEvent_t> start_, stop_;
-};
-
 struct Row {
   Case c;
   int sets = 0;
@@ -198,12 +86,16 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
   for (int i = 0; i < row.sets; ++i) sets.emplace_back(c.tokens, lines);
   DeviceMem weight(static_cast<std::size_t>(kDim * 4) * 4);
   DeviceMem pristine_states(sets[0].states.bytes());
-  fill_f32(weight.get<float>(), kDim * 4, 11, -1.0f, 1.0f);
-  fill_f32(pristine_states.get<float>(), lines * kDim * kStateLen, 12, -3.0f, 3.0f);
+  kda::detail::fill_uniform(weight.get(), kda::DType::FP32, kDim * 4, kSeed, kTensorId, {-1.0f, 1.0f, false, 0.0f},
+                            stream);
+  kda::detail::fill_uniform(pristine_states.get(), kda::DType::FP32, lines * kDim * kStateLen, kSeed, kTensorId + 1,
+                            {-3.0f, 3.0f, false, 0.0f}, stream);
   for (int i = 0; i < row.sets; ++i) {
-    fill_bf16(sets[static_cast<std::size_t>(i)].x.get(), c.tokens * kRowStride, 100 + static_cast<uint32_t>(i));
-    BENCH_CUDA(cudaMemcpy(sets[static_cast<std::size_t>(i)].states.get(), pristine_states.get(), pristine_states.bytes(),
-                          cudaMemcpyDeviceToDevice));
+    BufferSet& s = sets[static_cast<std::size_t>(i)];
+    kda::detail::fill_uniform_bf16(s.x.get(), c.tokens * kRowStride, kSeed, kTensorId + 2 + static_cast<uint64_t>(i),
+                                   -3.0f, 3.0f, stream);
+    BENCH_CUDA(cudaMemcpyAsync(s.states.get(), pristine_states.get(), pristine_states.bytes(), cudaMemcpyDeviceToDevice,
+                               stream));
   }
 
   // Equal-length sequences, every one with an initial state.
@@ -216,7 +108,7 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
   BENCH_CUDA(cudaMemcpy(d_qsl.get(), qsl.data(), d_qsl.bytes(), cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(d_cache.get(), cache.data(), d_cache.bytes(), cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(d_init.get(), init.data(), d_init.bytes(), cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaDeviceSynchronize());  // the fills ran on the legacy stream, the benchmark uses `stream`
+  BENCH_CUDA(cudaStreamSynchronize(stream));  // the host vectors above are copied synchronously, the fills are not
 
   auto args_for = [&](const BufferSet& in, BufferSet& out) {
     kda::PackedConvArgs a;
@@ -225,19 +117,19 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
     a.num_tokens = c.tokens;
     a.dim = kDim;
     a.x_row_stride = kRowStride;
-    a.weight = weight.get<float>();
+    a.weight = weight.as<float>();
     a.bias = nullptr;
-    a.conv_states = out.states.get<float>();
+    a.conv_states = out.states.as<float>();
     a.num_cache_lines = lines;
     a.state_len = kStateLen;
     // vLLM keeps the pool as (lines, 3, dim) and hands the conv its (lines, dim, 3) transpose.
     a.state_stride_line = kDim * kStateLen;
     a.state_stride_dim = 1;
     a.state_stride_tap = kDim;
-    a.query_start_loc = d_qsl.get<int32_t>();
+    a.query_start_loc = d_qsl.as<int32_t>();
     a.num_seqs = c.seqs;
-    a.cache_indices = d_cache.get<int32_t>();
-    a.has_initial_state = d_init.get<bool>();
+    a.cache_indices = d_cache.as<int32_t>();
+    a.has_initial_state = d_init.as<bool>();
     a.part_dim = kPartDim;
     a.silu = true;
     a.null_block_id = 0;
@@ -251,39 +143,34 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
 
   // Bitwise sanity check on set 0's input: packed into set 0, stock into set 1.
   {
-    BENCH_CUDA(cudaMemset(sets[0].out.get(), 0xFF, sets[0].out.bytes()));
-    BENCH_CUDA(cudaMemset(sets[1].out.get(), 0xFF, sets[1].out.bytes()));
-    BENCH_CUDA(cudaMemcpy(sets[1].states.get(), pristine_states.get(), pristine_states.bytes(), cudaMemcpyDeviceToDevice));
-    BENCH_CUDA(cudaMemcpy(sets[0].states.get(), pristine_states.get(), pristine_states.bytes(), cudaMemcpyDeviceToDevice));
-    BENCH_CUDA(cudaDeviceSynchronize());  // device-to-device copies do not block the host
+    for (int i : {0, 1}) {
+      BufferSet& s = sets[static_cast<std::size_t>(i)];
+      BENCH_CUDA(cudaMemsetAsync(s.out.get(), 0xFF, s.out.bytes(), stream));
+      BENCH_CUDA(cudaMemcpyAsync(s.states.get(), pristine_states.get(), pristine_states.bytes(),
+                                 cudaMemcpyDeviceToDevice, stream));
+    }
     kda::packed_causal_conv1d(args[0], stream);
     kda::baseline::stock_causal_conv1d(args_for(sets[0], sets[1]), workspace.get(), ws_bytes, stream);
-    BENCH_CUDA(cudaStreamSynchronize(stream));
-    row.out_diff_bits = diff_bits(sets[0].out.get(), sets[1].out.get(), sets[0].out.bytes());
-    row.state_diff_bits = diff_bits(sets[0].states.get(), sets[1].states.get(), sets[0].states.bytes());
+    row.out_diff_bits = kda::bench::diff_bits(sets[0].out.get(), sets[1].out.get(), sets[0].out.bytes(), stream);
+    row.state_diff_bits =
+        kda::bench::diff_bits(sets[0].states.get(), sets[1].states.get(), sets[0].states.bytes(), stream);
   }
 
   const int warmup = quick ? 3 : 20;
   const int iters = quick ? 15 : (c.tokens >= 65536 ? 60 : 200);
-  EventTimer timer(iters);
-  row.packed_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
-    kda::packed_causal_conv1d(args[static_cast<std::size_t>(i)], stream);
-  });
-  row.stock_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
+  const auto median_us = [&](auto&& launch) {
+    return kda::bench::time_each(stream, warmup, iters, [&](int i) { launch(i % row.sets); }).median_us;
+  };
+  row.packed_us = median_us([&](int i) { kda::packed_causal_conv1d(args[static_cast<std::size_t>(i)], stream); });
+  row.stock_us = median_us([&](int i) {
     kda::baseline::stock_causal_conv1d(args[static_cast<std::size_t>(i)], workspace.get(), ws_bytes, stream);
   });
   const std::size_t copy_bytes = static_cast<std::size_t>(c.tokens * kDim) * 2;
-  row.copy_us = timer.median_us(warmup, row.sets, stream, [&](int i) {
+  row.copy_us = median_us([&](int i) {
     BufferSet& s = sets[static_cast<std::size_t>(i)];
     BENCH_CUDA(cudaMemcpyAsync(s.out.get(), s.x.get(), copy_bytes, cudaMemcpyDeviceToDevice, stream));
   });
   return row;
-}
-
-std::string fixed(double v, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
-  return buf;
 }
 
 std::string verdict(double value, double target, bool at_most) {
@@ -302,20 +189,21 @@ std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool
      << "counts read + write. `stock` is this project's stock-path baseline (per plane: cast to fp32, fp32 conv "
      << "+ state update, cast back); `vLLM stock` is the real stock path measured on an H200 (stock-conv.md). "
      << "`diff bits`: packed vs stock on the benchmarked data (outputs + states), must be 0.\n\n";
-  os << "| tokens x seqs | sets | packed us | copy us | packed/copy | target | met | stock us | vLLM stock us "
-        "| stock/packed | target | met | packed GB/s | copy GB/s | diff bits |\n";
-  os << "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |\n";
+  os << kda::bench::md_head({"tokens x seqs", "sets", "packed us", "copy us", "packed/copy", "target", "met",
+                              "stock us", "vLLM stock us", "stock/packed", "target", "met", "packed GB/s",
+                              "copy GB/s", "diff bits"},
+                             "lrrrrrlrrrrlrrr");
   for (const Row& r : rows) {
     const double bytes = 2.0 * static_cast<double>(r.c.tokens * kDim) * 2.0;  // read + write
     const double copy_ratio = r.packed_us / r.copy_us, stock_ratio = r.stock_us / r.packed_us;
     const double ct = copy_ratio_target(r.c), st = stock_ratio_target(r.c);
-    os << "| " << r.c.tokens << " x " << r.c.seqs << " | " << r.sets << " | " << fixed(r.packed_us, 1) << " | "
-       << fixed(r.copy_us, 1) << " | " << fixed(copy_ratio, 3) << " | " << (ct ? "<= " + fixed(ct, 2) : "-")
-       << " | " << verdict(copy_ratio, ct, true) << " | " << fixed(r.stock_us, 1) << " | "
-       << fixed(r.c.stock_spec_us, 0) << " | " << fixed(stock_ratio, 2) << " | "
-       << (st ? ">= " + fixed(st, 1) : "-") << " | " << verdict(stock_ratio, st, false) << " | "
-       << fixed(bytes / (r.packed_us * 1e3), 0) << " | " << fixed(bytes / (r.copy_us * 1e3), 0) << " | "
-       << (r.out_diff_bits + r.state_diff_bits) << " |\n";
+    os << kda::bench::md_row({std::to_string(r.c.tokens) + " x " + std::to_string(r.c.seqs), std::to_string(r.sets),
+                              fixed(r.packed_us, 1), fixed(r.copy_us, 1), fixed(copy_ratio, 3),
+                              ct ? "<= " + fixed(ct, 2) : "-", verdict(copy_ratio, ct, true), fixed(r.stock_us, 1),
+                              fixed(r.c.stock_spec_us, 0), fixed(stock_ratio, 2), st ? ">= " + fixed(st, 1) : "-",
+                              verdict(stock_ratio, st, false), fixed(bytes / (r.packed_us * 1e3), 0),
+                              fixed(bytes / (r.copy_us * 1e3), 0),
+                              std::to_string(r.out_diff_bits + r.state_diff_bits)});
   }
   return os.str();
 }
@@ -343,16 +231,8 @@ int main(int argc, char** argv) {
       return usage(argv[0]);
     }
   }
-  int devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0) {
-    std::printf("bench_conv: no CUDA device is usable (%s); nothing was measured.\n",
-                err != cudaSuccess ? cudaGetErrorString(err) : "no device");
-    return 2;
-  }
+  const cudaDeviceProp prop = kda::bench::require_gpu("bench_conv");
   try {
-    cudaDeviceProp prop{};
-    BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     cudaStream_t stream = nullptr;
     BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::vector<Case> cases = {
@@ -375,13 +255,7 @@ int main(int argc, char** argv) {
                    static_cast<long long>(c.seqs));
     }
     BENCH_CUDA(cudaStreamDestroy(stream));
-    const std::string t = table(rows, prop, quick);
-    std::fputs(t.c_str(), stdout);
-    if (!out_path.empty()) {
-      std::ofstream f(out_path);
-      f << t;
-      if (!f) throw std::runtime_error("cannot write " + out_path);
-    }
+    kda::bench::emit(table(rows, prop, quick), out_path);
     if (!bits_ok) {
       std::printf("\nbench_conv: the packed and stock outputs differ on the benchmarked data (see diff bits).\n");
       return 1;

@@ -1,31 +1,29 @@
 // Benchmark of the KDA core (spec steps 4 and 5: prep + gated delta rule): the token-by-token
-// kernel kda_prep_recurrence against the chunked tensor-core kernel kda_chunked, and the
-// chunked kernel's two phases alone, phase 2 once per state kernel (KdaStateKernel: KSplit,
-// Unsplit, Original and Specialized, the default, a row each, on the same records), on the
-// shapes of docs/perf-notes-kda-core.md.
+// kernel kda_prep_recurrence against the chunked tensor-core op kda_chunked, and the chunked
+// op's two phases alone (KdaChunkedPhases::PrepOnly, then StateOnly on the records the
+// PrepOnly launches wrote), on the shapes of docs/perf.md's KDA core table.
 //
 //   bench_kda_core [--quick] [--reps N] [--out FILE]
 //
 // GPU time per launch from CUDA events, median of N (default 30, at least 20) launches after
-// warm-up. Reports the tensor-core work the chunked kernel issues (mma.sync m16n8k16 count x
+// warm-up. Reports the tensor-core work the chunked kernels issue (mma.sync m16n8k16 count x
 // 4096 flop) against the H200's measured bf16 dense ceiling (~790 TFLOP/s) and the compulsory
 // DRAM bytes against its copy bandwidth (~4.3 TB/s). Prints a markdown table (and writes it to
 // FILE with --out). Exits 2 without a usable GPU, 1 on an error, else 0.
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
+#include "bench_util.h"
+#include "kda/config.h"
 #include "kda/error.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
@@ -33,41 +31,19 @@
 
 namespace {
 
+using kda::bench::DeviceMem;
+using kda::bench::fixed;
+
 constexpr int64_t kD = 128;
 constexpr double kPeakTflops = 790.0;  // H200 bf16 dense, measured
 constexpr double kPeakTBps = 4.3;      // H200 device copy, measured
-// Tensor-core work of the chunked kernel per (chunk, head), in bf16 m16n8k16 equivalents (4096
-// flop): phase 1 runs 6 off-diagonal 16 x 16 blocks x 32 mma; phase 2 8 warps x (64 U + 64 + 20
-// O bf16 mma + 64 fp16 m16n8k16 for the state update), the
-// same for every state kernel (KSplit deals each 16 value rows' mma to two warps).
+// Tensor-core work of the chunked kernels per (chunk, head), in bf16 m16n8k16 equivalents (4096
+// flop): phase 1 runs 6 off-diagonal 16 x 16 blocks x 32 mma; phase 2 8 value-row groups x
+// (64 U + 64 + 20 O bf16 mma + 64 fp16 m16n8k16 for the state update).
 constexpr double kMmaFlop = 2.0 * 16 * 8 * 16;
 constexpr double kPrepMmaPerChunk = 6 * 32;
 constexpr double kStateMmaPerChunk = 8 * 212;
 constexpr int64_t kRecordBytes = 90624;  // workspace record per (chunk slot, head)
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
-}
-#define BENCH_CUDA(expr) cuda_ok((expr), #expr)
-
-class DeviceMem {
- public:
-  explicit DeviceMem(std::size_t bytes) : bytes_(bytes) {
-    if (bytes_) BENCH_CUDA(cudaMalloc(&ptr_, bytes_));
-  }
-  ~DeviceMem() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-  template <typename T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 struct Case {
   std::string name;
@@ -75,28 +51,11 @@ struct Case {
   std::vector<int32_t> lengths;
 };
 
-// Median GPU time (us) of `reps` launches of `launch`, each bracketed by its own events,
-// after `warmup` untimed ones.
-double median_us(const std::function<void(cudaStream_t)>& launch, cudaStream_t stream, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) launch(stream);
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(reps));
-  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
-  for (int i = 0; i < reps; ++i) {
-    BENCH_CUDA(cudaEventRecord(ev[2 * i], stream));
-    launch(stream);
-    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
-  }
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> us(static_cast<size_t>(reps));
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    us[static_cast<size_t>(i)] = 1000.0 * ms;
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+// Median GPU time (us) of `reps` launches of launch(), each between its own events on
+// `stream`, after `warmup` untimed ones.
+template <typename Launch>
+double median_us(Launch&& launch, cudaStream_t stream, int warmup, int reps) {
+  return kda::bench::time_each(stream, warmup, reps, [&](int) { launch(); }).median_us;
 }
 
 struct Row {
@@ -112,7 +71,10 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   std::vector<int32_t> lines(static_cast<size_t>(seqs));
   for (int64_t s = 0; s < seqs; ++s) lines[static_cast<size_t>(s)] = static_cast<int32_t>(s + 1);
   std::vector<char> initial(static_cast<size_t>(seqs), 1);
-  const int64_t in_proj_stride = (3 * part + heads + 256 + 63) / 64 * 64;
+  kda::ModelConfig model;  // the in_proj row layout of a layer with these heads: b at column 3 * part
+  model.num_heads = heads;
+  model.head_dim = kD;
+  const int64_t in_proj_stride = model.in_proj_stride();
 
   DeviceMem q(tokens * part * 2), k(tokens * part * 2), v(tokens * part * 2), g1(tokens * part * 2);
   DeviceMem x(tokens * in_proj_stride * 2), a_log(heads * 4), dt_bias(part * 4), o(tokens * part * 2);
@@ -139,9 +101,9 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   a.num_heads = heads;
   a.num_tokens = tokens;
   a.max_seqs = seqs;
-  a.query_start_loc = d_qsl.get<int32_t>();
-  a.cache_indices = d_lines.get<int32_t>();
-  a.has_initial_state = d_init.get<bool>();
+  a.query_start_loc = d_qsl.as<int32_t>();
+  a.cache_indices = d_lines.as<int32_t>();
+  a.has_initial_state = d_init.as<bool>();
   a.null_line = 0;
   a.q = q.get();
   a.k = k.get();
@@ -152,9 +114,9 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   a.b = x.get();
   a.b_row_stride = in_proj_stride;
   a.b_col_offset = 3 * part;
-  a.a_log = a_log.get<float>();
-  a.dt_bias = dt_bias.get<float>();
-  a.states = pool.get<float>();
+  a.a_log = a_log.as<float>();
+  a.dt_bias = dt_bias.as<float>();
+  a.states = pool.as<float>();
   a.cache_lines = seqs + 1;
   a.state_stride_line = heads * kD * kD;
   a.state_stride_head = kD * kD;
@@ -176,39 +138,23 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
 
   std::vector<Row> rows;
   const int warmup = 3;
+  const auto chunked = [&](kda::KdaChunkedPhases phases) {
+    return [&, phases] { kda::kda_chunked(a, work.get(), work.bytes(), stream, phases); };
+  };
   rows.push_back({cs.name, "kda_prep_recurrence (token by token)",
-                  median_us([&](cudaStream_t s) { kda::kda_prep_recurrence(a, s); }, stream, warmup, reps), 0.0,
+                  median_us([&] { kda::kda_prep_recurrence(a, stream); }, stream, warmup, reps), 0.0,
                   4 * plane_bytes + b_bytes + state_bytes + plane_bytes});
-  rows.push_back({cs.name, "kda_chunked (default: Specialized)",
-                  median_us([&](cudaStream_t s) { kda::kda_chunked(a, work.get(), work.bytes(), s); }, stream,
-                            warmup, reps),
+  rows.push_back({cs.name, "kda_chunked", median_us(chunked(kda::KdaChunkedPhases::Both), stream, warmup, reps),
                   prep_flop + state_flop, 4 * plane_bytes + b_bytes + 2 * record_bytes + state_bytes + plane_bytes});
   rows.push_back({cs.name, "  phase 1 (prep, records)",
-                  median_us([&](cudaStream_t s) {
-                    kda::kda_chunked(a, work.get(), work.bytes(), s, kda::KdaChunkedPhases::PrepOnly);
-                  }, stream, warmup, reps),
-                  prep_flop, 4 * plane_bytes + b_bytes + record_bytes});
-  // Phase 2 per state kernel, on the records of the phase-1 launches above.
-  const std::pair<kda::KdaStateKernel, const char*> state_kernels[] = {
-      {kda::KdaStateKernel::KSplit, "  phase 2 (state, o): KSplit"},
-      {kda::KdaStateKernel::Unsplit, "  phase 2 (state, o): Unsplit"},
-      {kda::KdaStateKernel::Original, "  phase 2 (state, o): Original"},
-      {kda::KdaStateKernel::Specialized, "  phase 2 (state, o): Specialized (default)"},
-  };
-  for (const auto& [kernel, label] : state_kernels)
-    rows.push_back({cs.name, label,
-                    median_us([&, kernel = kernel](cudaStream_t s) {
-                      kda::kda_chunked(a, work.get(), work.bytes(), s, kda::KdaChunkedPhases::StateOnly, kernel);
-                    }, stream, warmup, reps),
-                    state_flop, record_bytes + state_bytes + plane_bytes});
+                  median_us(chunked(kda::KdaChunkedPhases::PrepOnly), stream, warmup, reps), prep_flop,
+                  4 * plane_bytes + b_bytes + record_bytes});
+  // On the records of the phase-1 launches above.
+  rows.push_back({cs.name, "  phase 2 (state, o)",
+                  median_us(chunked(kda::KdaChunkedPhases::StateOnly), stream, warmup, reps), state_flop,
+                  record_bytes + state_bytes + plane_bytes});
   BENCH_CUDA(cudaStreamSynchronize(stream));
   return rows;
-}
-
-std::string fmt(double x, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.*f", digits, x);
-  return buf;
 }
 
 }  // namespace
@@ -229,13 +175,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  int devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0) {
-    std::printf("No CUDA device is usable (%s), so there is nothing to benchmark.\n",
-                err != cudaSuccess ? cudaGetErrorString(err) : "no device");
-    return 2;
-  }
+  const cudaDeviceProp prop = kda::bench::require_gpu("bench_kda_core");
   std::vector<Case> cases;
   cases.push_back({"H 12, 1 x 16384", 12, {16384}});
   cases.push_back({"H 12, 16 x 1024", 12, std::vector<int32_t>(16, 1024)});
@@ -245,26 +185,23 @@ int main(int argc, char** argv) {
     cases.push_back({"H 32, 1 x 16384", 32, {16384}});
   }
   try {
-    cudaDeviceProp prop{};
-    BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
     cudaStream_t stream = nullptr;
     BENCH_CUDA(cudaStreamCreate(&stream));
     std::ostringstream table;
     table << "KDA core (prep + gated delta rule) on " << prop.name << ", median of " << reps
           << " launches (CUDA events)\n\n"
-          << "| case | kernel | GPU us | tensor TFLOP/s | % of " << kPeakTflops << " | DRAM GB/s | % of "
-          << kPeakTBps << " TB/s | vs token by token |\n"
-          << "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+          << kda::bench::md_head({"case", "kernel", "GPU us", "tensor TFLOP/s", "% of " + fixed(kPeakTflops, 0),
+                                  "DRAM GB/s", "% of " + fixed(kPeakTBps, 1) + " TB/s", "vs token by token"},
+                                 "llrrrrrr");
     for (const Case& cs : cases) {
       const std::vector<Row> rows = run_case(cs, stream, reps);
       const double simple_us = rows.front().us;
       for (const Row& r : rows) {
         const double tflops = r.tflop / (r.us * 1e-6) / 1e12;
         const double gbps = r.bytes / (r.us * 1e-6) / 1e9;
-        table << "| " << r.case_name << " | " << r.kernel << " | " << fmt(r.us, 1) << " | "
-              << (r.tflop > 0 ? fmt(tflops, 1) : "-") << " | "
-              << (r.tflop > 0 ? fmt(100.0 * tflops / kPeakTflops, 1) : "-") << " | " << fmt(gbps, 0) << " | "
-              << fmt(100.0 * gbps / (kPeakTBps * 1000.0), 1) << " | " << fmt(simple_us / r.us, 2) << "x |\n";
+        table << kda::bench::md_row({r.case_name, r.kernel, fixed(r.us, 1), r.tflop > 0 ? fixed(tflops, 1) : "-",
+                                     r.tflop > 0 ? fixed(100.0 * tflops / kPeakTflops, 1) : "-", fixed(gbps, 0),
+                                     fixed(100.0 * gbps / (kPeakTBps * 1000.0), 1), fixed(simple_us / r.us, 2) + "x"});
       }
     }
     table << "\nTensor work is the flop of the issued mma.sync (bf16 m16n8k16 and, for the state "
@@ -273,12 +210,7 @@ int main(int argc, char** argv) {
              "compulsory traffic: planes, b, states, o, and the 90624-byte chunk records written "
              "by phase 1 and read once by phase 2 (the 4 value slices of a head re-read the shared "
              "tiles from L2).\n";
-    std::fputs(table.str().c_str(), stdout);
-    if (!out_path.empty()) {
-      std::ofstream f(out_path);
-      if (!f) throw std::runtime_error("cannot write " + out_path);
-      f << table.str();
-    }
+    kda::bench::emit(table.str(), out_path);
     cudaStreamDestroy(stream);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_kda_core: %s\n", e.what());

@@ -1,7 +1,12 @@
 // Module benchmark: per config and token bucket, graph replay vs eager launches of the same steps
 // (GPU time from events, wall time per forward) and host time per run(). One batch per bucket:
-// 4 equal sequences filling the bucket, continuing from their states (has_initial_state).
-//   bench_module [--config FILE]... [--iters N] [--out FILE]
+// 4 equal sequences filling the bucket, continuing from their states (has_initial_state); then
+// the per-step GPU time of one whole layer (profile_steps) at layer-scale shapes.
+//
+//   bench_module [--config FILE]... [--iters N] [--steps-only] [--out FILE]
+//
+// --steps-only: the per-step table alone. Prints markdown tables (and writes them to FILE with
+// --out). Exits 2 without a usable GPU, 1 on an error or a bad option, else 0.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -12,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
@@ -19,13 +25,6 @@
 #include "gpu_spin.h"
 
 namespace {
-
-void ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_module: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 struct Row {
   std::string config, steps;
@@ -45,7 +44,7 @@ void upload_random_hidden(kda::PrefillModule& m, uint64_t seed) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
     v = kda::host::float_to_bf16(static_cast<float>((x >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f);
   }
-  ok(cudaMemcpy(m.hidden_states(), h.data(), h.size() * 2, cudaMemcpyHostToDevice), "upload");
+  BENCH_CUDA(cudaMemcpy(m.hidden_states(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
 }
 
 // n sequences of (nearly) equal length filling `tokens` rows, on lines 1.., continuing from
@@ -66,11 +65,6 @@ struct EqualBatch {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 struct Measured {
   double gpu_us, wall_us, host_us;
   double host_begin_us, host_first_layer_us, host_last_layer_us;  // parts of host_us
@@ -78,11 +72,8 @@ struct Measured {
 };
 
 Measured measure(kda::PrefillModule& m, const kda::BatchView& b, int iters, cudaStream_t s) {
-  cudaEvent_t e0, e1;
-  ok(cudaEventCreate(&e0), "cudaEventCreate");
-  ok(cudaEventCreate(&e1), "cudaEventCreate");
   for (int i = 0; i < 3; ++i) m.run(b, s);  // warm-up (and lazy capture)
-  ok(cudaStreamSynchronize(s), "sync");
+  BENCH_CUDA(cudaStreamSynchronize(s));
   // Host time of run() with the stream drained first, as a server that waits for each forward
   // sees it: validation, planning, staging and the launches, without queue back-pressure.
   // run() is begin_forward + run_layer per layer; the parts are timed separately so that a
@@ -96,7 +87,7 @@ Measured measure(kda::PrefillModule& m, const kda::BatchView& b, int iters, cuda
   const int host_iters = std::max(iters, 30);
   std::vector<double> host, begin, first, last;
   for (int i = 0; i < host_iters; ++i) {
-    ok(cudaStreamSynchronize(s), "sync");
+    BENCH_CUDA(cudaStreamSynchronize(s));
     const auto h0 = Clock::now();
     m.begin_forward(b, s);
     const auto h1 = Clock::now();
@@ -118,7 +109,7 @@ Measured measure(kda::PrefillModule& m, const kda::BatchView& b, int iters, cuda
   // a long synchronize.
   std::vector<double> busy;
   for (int i = 0; i < (host_iters + 2) / 3; ++i) {
-    ok(cudaStreamSynchronize(s), "sync");
+    BENCH_CUDA(cudaStreamSynchronize(s));
     kda::bench::gpu_spin(s, 2000.0);
     for (int k = 0; k < 3; ++k) {
       const auto h0 = Clock::now();
@@ -126,20 +117,13 @@ Measured measure(kda::PrefillModule& m, const kda::BatchView& b, int iters, cuda
       busy.push_back(us(h0, Clock::now()));
     }
   }
-  ok(cudaStreamSynchronize(s), "sync");
+  BENCH_CUDA(cudaStreamSynchronize(s));
   // GPU and wall time of back-to-back forwards.
-  auto w0 = std::chrono::steady_clock::now();
-  ok(cudaEventRecord(e0, s), "record");
-  for (int i = 0; i < iters; ++i) m.run(b, s);
-  ok(cudaEventRecord(e1, s), "record");
-  ok(cudaEventSynchronize(e1), "sync");
-  auto w1 = std::chrono::steady_clock::now();
-  float ms = 0;
-  ok(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return {ms * 1e3 / iters, std::chrono::duration<double, std::micro>(w1 - w0).count() / iters,
-          median(host), median(begin), median(first), median(last), median(busy)};
+  const auto w0 = Clock::now();
+  const double gpu_us = kda::bench::time_back_to_back_us(s, 0, iters, [&](int) { m.run(b, s); });
+  const double wall_us = us(w0, Clock::now()) / iters;
+  using kda::bench::median_of;
+  return {gpu_us, wall_us, median_of(host), median_of(begin), median_of(first), median_of(last), median_of(busy)};
 }
 
 }  // namespace
@@ -157,7 +141,7 @@ int main(int argc, char** argv) {
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
     else {
       std::fprintf(stderr, "usage: %s [--config FILE]... [--iters N] [--steps-only] [--out FILE]\n", argv[0]);
-      return 2;
+      return 1;
     }
   }
   // tiny.yaml: a layer small enough that launches, not GPU work, bound the eager path, which
@@ -165,16 +149,12 @@ int main(int argc, char** argv) {
   if (configs.empty())
     configs = {"configs/default.yaml", "configs/kimi-linear-48b-tp1.yaml", "configs/tiny.yaml"};
 
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::fprintf(stderr, "bench_module: no CUDA device is usable; this benchmark needs a GPU\n");
-    return 2;
-  }
+  kda::bench::require_gpu("bench_module");
 
   std::vector<Row> rows;
   try {
     cudaStream_t s;
-    ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     for (const auto& path : steps_only ? std::vector<std::string>{} : configs)
     for (kda::LayerSteps steps : {kda::LayerSteps::InProjConv, kda::LayerSteps::Full}) {
       kda::Config cfg = kda::load_config(path);
@@ -223,7 +203,7 @@ int main(int argc, char** argv) {
       }
     }
     cudaStreamDestroy(s);
-  } catch (const kda::Error& e) {
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_module: %s\n", e.what());
     return 1;
   }
@@ -233,7 +213,7 @@ int main(int argc, char** argv) {
       "| config | tokens x seqs | step | GPU us |\n| --- | --- | --- | ---: |\n";
   try {
     cudaStream_t s;
-    ok(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     for (const auto& path : configs) {
       kda::Config cfg = kda::load_config(path);
       cfg.runtime.layer_steps = kda::LayerSteps::Full;
@@ -266,7 +246,7 @@ int main(int argc, char** argv) {
       }
     }
     cudaStreamDestroy(s);
-  } catch (const kda::Error& e) {
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_module: %s\n", e.what());
     return 1;
   }
@@ -291,12 +271,11 @@ int main(int argc, char** argv) {
            "behind a 2 ms spin kernel).\n"
            "targets: host run() < 15 us per layer; at 2048 tokens graph wall >= 1.3x faster than eager\n\n";
   table += steps_table;
-  std::fputs(table.c_str(), stdout);
-  if (!out_path.empty()) {
-    if (FILE* f = std::fopen(out_path.c_str(), "w")) {
-      std::fputs(table.c_str(), f);
-      std::fclose(f);
-    }
+  try {
+    kda::bench::emit(table, out_path);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_module: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

@@ -1,0 +1,163 @@
+// What the bench/ programs share: the CUDA error check, device buffers, GPU timing with CUDA
+// events, the GPU-presence check, the seed-scale layer shape and markdown output.
+// Host C++ against the CUDA runtime API, so .cpp and .cu benchmarks include it alike; the one
+// device helper (diff_bits) is defined in bench_util.cu, which a program that calls it links.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/device_memory.h"
+#include "kda/config.h"
+
+namespace kda::bench {
+
+// Throws std::runtime_error naming the failed call and CUDA's reason.
+inline void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
+}
+#define BENCH_CUDA(expr) ::kda::bench::cuda_check((expr), #expr)
+
+// Exit status of a benchmark that found no usable GPU (nothing was measured).
+constexpr int kExitNoGpu = 2;
+
+// The properties of device 0. Without a usable CUDA device: says so on stderr, naming
+// `program`, and exits with kExitNoGpu.
+inline cudaDeviceProp require_gpu(const char* program) {
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  cudaDeviceProp prop{};
+  if (err != cudaSuccess || devices == 0 || cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    std::fprintf(stderr, "%s: no CUDA device is usable (%s); this benchmark needs a GPU, nothing was measured.\n",
+                 program, err != cudaSuccess ? cudaGetErrorString(err) : "no device");
+    std::exit(kExitNoGpu);
+  }
+  return prop;
+}
+
+// Device memory: the library's RAII buffer (throws kda::Error when cudaMalloc fails).
+using DeviceMem = kda::detail::DeviceBuffer;
+
+// The median (of an even count, the upper of the two middle values); 0 for none.
+inline double median_of(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Timing {
+  double median_us = 0, min_us = 0;
+};
+
+// GPU time of single launches: launch(i) for i in [0, warmup) untimed, then for i in
+// [warmup, warmup + reps) each between its own pair of events on `stream`; launch(i) must
+// enqueue its work on `stream`. One synchronisation at the end, so the launches queue back to
+// back as in a real stream. reps >= 1.
+template <typename Launch>
+Timing time_each(cudaStream_t stream, int warmup, int reps, Launch&& launch) {
+  for (int i = 0; i < warmup; ++i) launch(i);
+  std::vector<cudaEvent_t> ev(2 * static_cast<std::size_t>(reps));
+  for (cudaEvent_t& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA(cudaEventRecord(ev[2 * static_cast<std::size_t>(i)], stream));
+    launch(warmup + i);
+    BENCH_CUDA(cudaEventRecord(ev[2 * static_cast<std::size_t>(i) + 1], stream));
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> us(static_cast<std::size_t>(reps));
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0.0f;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * static_cast<std::size_t>(i)], ev[2 * static_cast<std::size_t>(i) + 1]));
+    us[static_cast<std::size_t>(i)] = 1000.0 * ms;
+  }
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  Timing t;
+  t.min_us = *std::min_element(us.begin(), us.end());
+  t.median_us = median_of(std::move(us));
+  return t;
+}
+
+// Mean GPU time per launch of a stream of launches: launch(i) for i in [0, warmup) untimed,
+// then i in [warmup, warmup + reps) back to back between one pair of events on `stream` (no
+// event between launches, so none of them waits for an event's completion). reps >= 1.
+template <typename Launch>
+double time_back_to_back_us(cudaStream_t stream, int warmup, int reps, Launch&& launch) {
+  for (int i = 0; i < warmup; ++i) launch(i);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  BENCH_CUDA(cudaEventRecord(start, stream));
+  for (int i = 0; i < reps; ++i) launch(warmup + i);
+  BENCH_CUDA(cudaEventRecord(stop, stream));
+  BENCH_CUDA(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 1000.0 * ms / reps;
+}
+
+// Set bits of a XOR b over `bytes` bytes (a multiple of 4) of device memory: 0 when the two
+// are bitwise equal. Synchronises `stream`. Defined in bench_util.cu.
+uint64_t diff_bits(const void* a, const void* b, std::size_t bytes, cudaStream_t stream);
+
+// The layer of configs/default.yaml, the benchmarks' seed scale: D 7168, H 12, K = V 128,
+// r 128, so part_dim P 1536, W_in = 3P + H + 2r = 4876 and the in_proj row stride 4928.
+inline kda::ModelConfig seed_model() {
+  kda::ModelConfig m;
+  m.hidden_size = 7168;
+  m.num_heads = 12;
+  m.head_dim = 128;
+  m.gate_rank = 128;
+  return m;
+}
+
+// Markdown output.
+
+// v with `digits` decimals.
+inline std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// "| a | b |\n".
+inline std::string md_row(const std::vector<std::string>& cells) {
+  std::string s = "|";
+  for (const std::string& c : cells) s += " " + c + " |";
+  return s + "\n";
+}
+
+// A table's header row and its separator row; column i is right-aligned ("---:") when align[i]
+// is 'r', else left ("---").
+inline std::string md_head(const std::vector<std::string>& names, const std::string& align) {
+  std::vector<std::string> seps;
+  for (std::size_t i = 0; i < names.size(); ++i) seps.push_back(i < align.size() && align[i] == 'r' ? "---:" : "---");
+  return md_row(names) + md_row(seps);
+}
+
+// Writes text to the file at path; throws std::runtime_error when it cannot.
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+// Prints text on stdout and, when path is not empty, writes it to that file (write_text).
+inline void emit(const std::string& text, const std::string& path) {
+  std::fputs(text.c_str(), stdout);
+  std::fflush(stdout);
+  if (!path.empty()) write_text(path, text);
+}
+
+}  // namespace kda::bench
