@@ -66,13 +66,17 @@ for stage in "${stages[@]}"; do
     bench)
       timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_conv" --out "$OUT/bench_conv.md" > "$OUT/bench.log" 2>&1
       note "bench_conv rc $?"
+      # The quick launch-shape sweep behind the conv's default tuning (rc 1: a tuning's bits differ).
+      timeout "${BENCH_TIMEOUT:-120}" "$build/bench/bench_conv_tunings" --quick --out "$OUT/bench_conv_tunings.md" \
+        >> "$OUT/bench.log" 2>&1
+      note "bench_conv_tunings --quick rc $?"
       timeout "${BENCH_TIMEOUT:-300}" "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
       note "bench_module rc $?"
-      { timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_gemm"; } >> "$OUT/bench.log" 2>&1
+      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_gemm" --out "$OUT/bench_gemm.md" >> "$OUT/bench.log" 2>&1
       note "bench_gemm rc $?"
-      { timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_kda_core"; } >> "$OUT/bench.log" 2>&1
+      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_kda_core" --out "$OUT/bench_kda_core.md" >> "$OUT/bench.log" 2>&1
       note "bench_kda_core rc $?"
-      cat "$OUT/bench_conv.md" "$OUT/bench_module.md" 2>/dev/null
+      cat "$OUT/bench_conv.md" "$OUT/bench_conv_tunings.md" "$OUT/bench_module.md" 2>/dev/null
       ;;
     steps)
       # Per-step GPU time of one layer (profile_steps), both configs.
@@ -82,10 +86,10 @@ for stage in "${stages[@]}"; do
       ;;
     profile)
       # Nsight Compute on the packed conv (16384 x 1) and the chunked core (H 12, 1 x 16384), clocks
-      # left alone. PROFILE="conv core" picks the parts; "state" profiles one launch of each
-      # phase-2 kernel (KSplit, Unsplit, Original, Specialized) on H 12, 1 x 16384; "prep" one
-      # launch of phase 1 (H 12, 1 x 16384) with every section, its report and its SASS with
-      # per-instruction stall samples as CSV (ncu_prep_sass.csv).
+      # left alone. PROFILE="conv core" picks the parts; "state" profiles one launch of phase 2
+      # (the kda_chunk_state kernel) on H 12, 1 x 16384; "prep" one launch of phase 1 (H 12,
+      # 1 x 16384) with every section, its report and its SASS with per-instruction stall samples
+      # as CSV (ncu_prep_sass.csv).
       ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats --section SourceCounters --section ComputeWorkloadAnalysis --section InstructionStats"
       for part in ${PROFILE:-conv core}; do
@@ -99,14 +103,8 @@ for stage in "${stages[@]}"; do
               -o "$OUT/ncu_prep" -f "$build/bench/bench_kda_core" --quick --reps 20 > "$OUT/ncu_prep.txt" 2>&1
             "$ncu_bin" -i "$OUT/ncu_prep.ncu-rep" --page details >> "$OUT/ncu_prep.txt" 2>&1
             "$ncu_bin" -i "$OUT/ncu_prep.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_prep_sass.csv" 2>&1 ;;
-          state)
-            : > "$OUT/ncu_state.txt"
-            for kernel in 'kda_chunk_state_split_kernel<2>' 'kda_chunk_state_split_kernel<1>' 'kda_chunk_state_kernel' \
-                'kda_chunk_state_spec_kernel'; do
-              timeout 300 "$ncu_bin" --clock-control none $sections --kernel-name-base demangled \
-                -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
-                "$build/bench/bench_kda_core" --quick --reps 20 >> "$OUT/ncu_state.txt" 2>&1
-            done ;;
+          state) timeout 300 "$ncu_bin" --clock-control none $sections -k regex:kda_chunk_state --launch-skip 3 \
+                   --launch-count 1 "$build/bench/bench_kda_core" --quick --reps 20 > "$OUT/ncu_state.txt" 2>&1 ;;
         esac
         note "ncu $part rc $?"
       done
