@@ -3,13 +3,22 @@
 // throughput. --check compares graph replay with eager launches bitwise and the packed conv with
 // the stock-path baseline.
 //
+// The config is loaded and validated before anything touches CUDA: a bad config exits 2 with
+// kda::load_config's message (file:line: key: what is wrong) on any machine. --validate stops
+// there and prints the resolved sizes and the device memory the module will allocate, so
+// configs can be checked on a machine without a GPU.
+//
 // --tp N runs the config's model (all its heads) as N tensor-parallel ranks on GPUs 0..N-1, one
 // host thread per rank, the ranks' outputs summed by the modules' NCCL all-reduce, and checks
 // them against a TP = 1 run of the same weights on GPU 0 (see run_tp).
 //
 //   prefill_driver --config configs/default.yaml --lengths 512,37,2000 --check
+//   prefill_driver --validate --config configs/kimi-linear-48b-tp1.yaml
 //   prefill_driver --random 16 --layers 4 --iters 50
 //   prefill_driver --config configs/kimi-linear-48b-tp1.yaml --tp 2
+//
+// Exit codes: 0 success; 1 a run or check failed; 2 bad arguments, a bad config, no usable
+// CUDA device, or fewer GPUs than --tp asks for.
 #include <cuda_runtime_api.h>
 
 #if KDA_HAVE_NCCL
@@ -50,26 +59,39 @@ struct Options {
   uint64_t seed = 1234;
   bool check = false;
   bool compare_eager = true;
+  bool validate = false;  // --validate: check the config, print the sizes, touch no CUDA
   int tp = 0;  // --tp N: ranks; 0 runs the config as one module
 };
 
-[[noreturn]] void usage(const char* argv0, const std::string& problem) {
-  if (!problem.empty()) std::fprintf(stderr, "%s: %s\n\n", argv0, problem.c_str());
-  std::fprintf(stderr,
-               "usage: %s [--config FILE] [--lengths L1,L2,...| --random N] [--layers N]\n"
-               "          [--iters N] [--seed S] [--check] [--no-eager] [--tp N]\n"
-               "  --config FILE   YAML config (default configs/default.yaml)\n"
+// --help prints this on stdout and exits 0; a bad argument prints the problem and this on
+// stderr and exits 2. Every flag that parse_args accepts is in the usage line and explained.
+[[noreturn]] void usage(const char* argv0, const std::string& problem, bool help = false) {
+  std::FILE* out = help ? stdout : stderr;
+  if (!problem.empty()) std::fprintf(out, "%s: %s\n\n", argv0, problem.c_str());
+  std::fprintf(out,
+               "usage: %s [--config FILE] [--validate] [--lengths L1,L2,...| --random N] [--layers N]\n"
+               "          [--iters N] [--seed S] [--check] [--no-eager] [--tp N] [--help]\n"
+               "  --config FILE   YAML config (default configs/default.yaml); loaded and validated\n"
+               "                  before any CUDA call: a bad config exits 2 naming file:line: key\n"
+               "  --validate      only check the config (with --layers and --tp applied) and that the\n"
+               "                  batch fits it, print the resolved sizes and the device memory the\n"
+               "                  module will allocate; needs no GPU; exits 0 when they are valid\n"
                "  --lengths ...   sequence lengths in tokens (default 512,37,2000,1500)\n"
                "  --random N      N sequences of random length filling about half the capacity\n"
                "  --layers N      layers to run (overrides runtime.num_layers)\n"
                "  --iters N       timed forwards (default 20)\n"
+               "  --seed S        seed of the random weights, the random hidden states and the --random\n"
+               "                  lengths (default 1234); the same seed gives the same run\n"
                "  --check         graph vs eager bitwise, packed conv vs stock baseline\n"
                "  --no-eager      skip the eager-launch timing\n"
                "  --tp N          run the config's model as N tensor-parallel ranks on GPUs 0..N-1\n"
                "                  (NCCL all-reduce) and compare with a TP = 1 run on GPU 0; the\n"
-               "                  config is the whole model (tensor_parallel.size 1)\n",
+               "                  config is the whole model (tensor_parallel.size 1)\n"
+               "  --help, -h      print this and exit 0\n"
+               "exit status: 0 ok; 1 a run or check failed; 2 bad arguments, bad config, no usable\n"
+               "CUDA device (or fewer than --tp N)\n",
                argv0);
-  std::exit(2);
+  std::exit(help ? 0 : 2);
 }
 
 std::vector<int32_t> parse_lengths(const char* argv0, const std::string& text) {
@@ -114,8 +136,9 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--seed") o.seed = static_cast<uint64_t>(int_value(0, 1l << 62));
     else if (a == "--check") o.check = true;
     else if (a == "--no-eager") o.compare_eager = false;
+    else if (a == "--validate") o.validate = true;
     else if (a == "--tp") o.tp = static_cast<int>(int_value(1, 64));
-    else if (a == "--help" || a == "-h") usage(argv[0], "");
+    else if (a == "--help" || a == "-h") usage(argv[0], "", /*help=*/true);
     else usage(argv[0], "unknown argument \"" + a + "\"");
   }
   if (!o.lengths.empty() && o.random_seqs) usage(argv[0], "give --lengths or --random, not both");
@@ -194,9 +217,199 @@ kda::Config driver_config(const Options& opt) {
   return cfg;
 }
 
+// --tp N: the rank configs cut from the whole model's config (tensor_parallel {N, r},
+// model.num_heads / N heads each), validated. Throws kda::Error (from rank_model or
+// validate_config) or std::invalid_argument when the config cannot be cut: both are config
+// errors, found before any CUDA call.
+std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& full) {
+  const int N = opt.tp;
+  if (full.tensor_parallel.size != 1)
+    throw std::invalid_argument(
+        "--tp takes the config of the whole model (tensor_parallel.size 1, model.num_heads = all heads) and "
+        "cuts it into ranks itself; " + opt.config + " has tensor_parallel.size " +
+        std::to_string(full.tensor_parallel.size));
+  if (full.runtime.layer_steps != kda::LayerSteps::Full)
+    throw std::invalid_argument("--tp needs runtime.layer_steps: full (the all-reduce sums the layer output); " +
+                                opt.config + " has layer_steps: conv");
+  std::vector<kda::Config> rank_cfg(N, full);
+  for (int r = 0; r < N; ++r) {
+    rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);  // throws when the heads do not divide
+    rank_cfg[r].tensor_parallel.size = N;
+    rank_cfg[r].tensor_parallel.rank = r;
+    kda::validate_config(rank_cfg[r]);
+  }
+  return rank_cfg;
+}
+
+// ---- --validate: the resolved sizes and the module's device memory, without CUDA ----
+
+int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+std::string mib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+
+// What PrefillModule's constructor allocates for `cfg`, term by term, computed without CUDA.
+// This mirrors the constructor in src/runtime/: PrefillModule::Impl::Impl (prefill_module.cpp:
+// the pools and the metadata staging) and LayerProgram::LayerProgram (layer_program.cpp: the
+// activation buffers, the downstream scratch and the two workspaces), and the size functions
+// they call (named at each term). When the module's allocations change, change this too.
+// Memory that CUDA, cuBLASLt and the graphs take for themselves (context, handles,
+// instantiated graphs) is not included.
+struct ModuleMemory {
+  int64_t windows = 0;      // detail::max_windows: ceil(capacity / largest bucket)
+  int64_t padded_rows = 0;  // windows x largest bucket
+  int64_t slot_bytes = 0;   // detail::StagingLayout::for_max_seqs(max_seqs).slot_bytes
+  struct Term {
+    const char* what;
+    int64_t bytes;
+    std::string how;
+  };
+  std::vector<Term> once;       // allocated once per module
+  std::vector<Term> per_layer;  // allocated for every layer
+  int64_t conv_pool = 0, recurrent_pool = 0;
+  int64_t device_total = 0;
+  int64_t pinned_host = 0;      // staging ring + padding slot (cudaMallocHost)
+  int64_t random_weights = 0;   // per layer: init_random_weights' storage (detail::random_layer_weights_bytes)
+};
+
+ModuleMemory module_memory(const kda::Config& cfg) {
+  const kda::ModelConfig& m = cfg.model;
+  const kda::RuntimeConfig& rt = cfg.runtime;
+  const int64_t D = m.hidden_size, P = m.part_dim(), H = m.num_heads, r = m.gate_rank;
+  const int64_t B = rt.largest_bucket(), capacity = rt.batch_token_capacity(), S = rt.max_seqs;
+  const bool full = rt.layer_steps == kda::LayerSteps::Full;
+  const bool chunked = full && rt.recurrence == kda::Recurrence::Chunked;
+  const int64_t bf16 = 2, fp32 = 4;
+  auto n = [](int64_t v) { return std::to_string(v); };
+
+  ModuleMemory mem;
+  mem.windows = (capacity + B - 1) / B;
+  mem.padded_rows = mem.windows * B;
+  // StagingLayout: query_start_loc (S + 1) int32, cache_indices S int32, has_initial_state S
+  // bool, each rounded up to 16 bytes (src/runtime/batch_plan.cpp).
+  mem.slot_bytes = round_up((S + 1) * 4, 16) + round_up(S * 4, 16) + round_up(S * 1, 16);
+  const int64_t R = mem.padded_rows;
+  mem.once = {
+      // LayerProgram (layer_program.cpp): hidden and output, padded_rows x D bf16, so that
+      // every window's bucket rows exist; in_proj output, one window's rows x in_proj_stride;
+      // the planes (3, capacity, P) plus the tail the last window's bucket rows of plane 2 reach.
+      {"hidden states", R * D * bf16, "padded rows " + n(R) + " x D " + n(D) + " bf16"},
+      {"layer output", R * D * bf16, "padded rows " + n(R) + " x D " + n(D) + " bf16"},
+      {"in_proj output", B * m.in_proj_stride() * bf16,
+       "largest bucket " + n(B) + " x in_proj_stride " + n(m.in_proj_stride()) + " bf16"},
+      {"conv planes", (2 * capacity + R) * P * bf16,
+       "(2 x capacity " + n(capacity) + " + padded rows " + n(R) + ") x P " + n(P) + " bf16"},
+      // PrefillModule::Impl (prefill_module.cpp): one staging slot per window.
+      {"metadata staging", mem.windows * mem.slot_bytes,
+       n(mem.windows) + " windows x " + n(mem.slot_bytes) + "-byte slot"},
+  };
+  // LayerProgram: g1, g2, the recurrence output o and the RMSNorm output y, one window's rows
+  // x P bf16 each, only for layer_steps: full.
+  if (full)
+    mem.once.push_back({"gate/recurrence/norm scratch", 4 * B * P * bf16,
+                        "4 buffers (g1, g2, o, y) x largest bucket " + n(B) + " x P " + n(P) + " bf16"});
+  mem.once.push_back({"cuBLASLt workspace", rt.gemm_workspace_bytes, "runtime.gemm_workspace_mib"});
+  // LayerProgram, for recurrence: chunked: kda_chunked_workspace_bytes (recurrence/kda_chunked.cu)
+  // of the largest bucket and max_seqs: chunk_slots = (B >> kChunkShift 6) + max_seqs, times H,
+  // times Record::kBytes = 90624 (recurrence/kda_chunked_body.cuh).
+  if (chunked)
+    mem.once.push_back({"chunked recurrence workspace", ((B >> 6) + S) * H * 90624,
+                        "(" + n(B) + "/64 + max_seqs " + n(S) + ") x H " + n(H) + " x 90624-byte record"});
+  // PrefillModule::Impl: per layer, the two pools, Config::conv_pool_elems() and
+  // recurrent_pool_elems() fp32 elements.
+  mem.conv_pool = cfg.conv_pool_elems() * fp32;
+  mem.recurrent_pool = cfg.recurrent_pool_elems() * fp32;
+  mem.per_layer = {
+      {"conv-state pool", mem.conv_pool,
+       "cache_lines " + n(cfg.pools.cache_lines) + " x 3P " + n(3 * P) + " x 3 taps fp32"},
+      {"recurrent-state pool", mem.recurrent_pool,
+       "cache_lines " + n(cfg.pools.cache_lines) + " x H " + n(H) + " x 128 x 128 fp32"},
+  };
+  for (const auto& t : mem.once) mem.device_total += t.bytes;
+  for (const auto& t : mem.per_layer) mem.device_total += t.bytes * rt.num_layers;
+  // kHostStagingSlots (4) pinned copies of the device staging, plus one padding slot.
+  mem.pinned_host = 4 * mem.windows * mem.slot_bytes + mem.slot_bytes;
+  // random_layer_weights_bytes (src/runtime/random_weights.cu): each tensor 256-byte aligned;
+  // in_proj has in_proj_stride rows.
+  auto a256 = [&](int64_t bytes) { return round_up(bytes, 256); };
+  mem.random_weights = a256(m.in_proj_stride() * D * bf16) + a256(3 * P * m.conv_width * fp32) +
+                       2 * a256(P * r * bf16) + a256(H * fp32) + a256(P * fp32) + a256(m.head_dim * bf16) +
+                       a256(D * P * bf16);
+  return mem;
+}
+
+void print_module_memory(const kda::Config& cfg, const char* indent) {
+  const ModuleMemory mem = module_memory(cfg);
+  std::printf("%sdevice memory the module allocates (PrefillModule's constructor):\n", indent);
+  for (const auto& t : mem.once)
+    std::printf("%s  %-30s %14lld bytes  %10s  (%s)\n", indent, t.what, (long long)t.bytes, mib(t.bytes).c_str(),
+                t.how.c_str());
+  for (const auto& t : mem.per_layer)
+    std::printf("%s  %-30s %14lld bytes  %10s  per layer (%s)\n", indent, t.what, (long long)t.bytes,
+                mib(t.bytes).c_str(), t.how.c_str());
+  std::printf("%s  total                          %14lld bytes  %10s  (%lld layers)\n", indent,
+              (long long)mem.device_total, mib(mem.device_total).c_str(), (long long)cfg.runtime.num_layers);
+  std::printf("%splus, not counted above: pinned host staging %lld bytes; init_random_weights (this driver) "
+              "%lld bytes per layer (%s for %lld layers); CUDA's, cuBLASLt's and the graphs' own memory\n",
+              indent, (long long)mem.pinned_host, (long long)mem.random_weights,
+              mib(mem.random_weights * cfg.runtime.num_layers).c_str(), (long long)cfg.runtime.num_layers);
+}
+
+const char* steps_name(kda::LayerSteps s) { return s == kda::LayerSteps::Full ? "full" : "conv"; }
+const char* recurrence_name(kda::Recurrence r) { return r == kda::Recurrence::Chunked ? "chunked" : "token"; }
+
+// --validate: the config is valid (main loaded it); print what it resolves to.
+void print_validated(const Options& opt, const kda::Config& cfg, const std::vector<kda::Config>& rank_cfg) {
+  const kda::ModelConfig& m = cfg.model;
+  const kda::RuntimeConfig& rt = cfg.runtime;
+  std::printf("%s: valid%s%s%s\n", opt.config.c_str(), cfg.name.empty() ? "" : " (", cfg.name.c_str(),
+              cfg.name.empty() ? "" : ")");
+  std::printf("  model: hidden %lld, %lld heads x %lld (P = %lld), gate rank %lld, in_proj width %lld "
+              "(row stride %lld), norm eps %g, decay %s\n",
+              (long long)m.hidden_size, (long long)m.num_heads, (long long)m.head_dim, (long long)m.part_dim(),
+              (long long)m.gate_rank, (long long)m.in_proj_cols(), (long long)m.in_proj_stride(), m.norm_eps,
+              m.gate_lower_bound ? "lower-bounded sigmoid" : "softplus");
+  std::string buckets;
+  for (int64_t b : rt.token_buckets) buckets += (buckets.empty() ? "" : ", ") + std::to_string(b);
+  const ModuleMemory mem = module_memory(cfg);
+  std::printf("  runtime: token buckets [%s], max_seqs %lld, batch token capacity %lld (%lld window%s of up to "
+              "%lld tokens), %lld layer%s, layer_steps %s, recurrence %s, capture %s, graphs %s, cuBLASLt "
+              "workspace %s\n",
+              buckets.c_str(), (long long)rt.max_seqs, (long long)rt.batch_token_capacity(),
+              (long long)mem.windows, mem.windows == 1 ? "" : "s", (long long)rt.largest_bucket(),
+              (long long)rt.num_layers, rt.num_layers == 1 ? "" : "s", steps_name(rt.layer_steps),
+              recurrence_name(rt.recurrence), rt.capture == kda::CaptureMode::Eager ? "eager" : "lazy",
+              rt.use_graphs ? "on" : "off", mib(rt.gemm_workspace_bytes).c_str());
+  std::printf("  pools: %lld cache lines (null line %d); per layer: conv-state %lld bytes (%s), recurrent-state "
+              "%lld bytes (%s)\n",
+              (long long)cfg.pools.cache_lines, cfg.pools.null_line, (long long)mem.conv_pool,
+              mib(mem.conv_pool).c_str(), (long long)mem.recurrent_pool, mib(mem.recurrent_pool).c_str());
+  std::printf("  tensor parallel: size %lld, rank %lld\n", (long long)cfg.tensor_parallel.size,
+              (long long)cfg.tensor_parallel.rank);
+  if (rank_cfg.empty()) {
+    print_module_memory(cfg, "  ");
+  } else {
+    std::printf("  --tp %d: %lld heads per rank; each rank's module, on its own GPU:\n", opt.tp,
+                (long long)rank_cfg[0].model.num_heads);
+    print_module_memory(rank_cfg[0], "    ");
+    std::printf("  and a TP = 1 module of the whole model on GPU 0 for the comparison:\n");
+    print_module_memory(cfg, "    ");
+  }
+}
+
 std::vector<int32_t> batch_lengths(const Options& opt, const kda::Config& cfg) {
   std::vector<int32_t> lengths = opt.lengths;
-  if (lengths.empty() && opt.random_seqs == 0) lengths = {512, 37, 2000, 1500};
+  if (lengths.empty() && opt.random_seqs == 0) {
+    lengths = {512, 37, 2000, 1500};
+    // A config with a smaller batch capacity (configs/tiny.yaml) gets the same shape scaled
+    // down to about half its capacity.
+    const int64_t capacity = cfg.runtime.batch_token_capacity(), total = 4049;
+    if (total > capacity)
+      for (int32_t& len : lengths) len = static_cast<int32_t>(std::max<int64_t>(1, len * capacity / (2 * total)));
+  }
   if (opt.random_seqs) {
     std::mt19937_64 rng(opt.seed);
     int64_t budget = cfg.runtime.batch_token_capacity() / 2;
@@ -205,6 +418,26 @@ std::vector<int32_t> batch_lengths(const Options& opt, const kda::Config& cfg) {
     for (int i = 0; i < opt.random_seqs; ++i) lengths.push_back(len(rng));
   }
   return lengths;
+}
+
+// The batch must fit the config: refused here, before any CUDA call, with the limit named
+// (PrefillModule::begin_forward would refuse it too, but only after the hidden states were
+// copied into a buffer too small for them).
+void check_batch_fits(const std::vector<int32_t>& lengths, const kda::Config& cfg) {
+  int64_t tokens = 0;
+  for (int32_t len : lengths) tokens += len;
+  const auto n = static_cast<int64_t>(lengths.size());
+  if (tokens > cfg.runtime.batch_token_capacity())
+    throw std::invalid_argument("the batch has " + std::to_string(tokens) + " tokens, more than the config's batch "
+                                "token capacity " + std::to_string(cfg.runtime.batch_token_capacity()) +
+                                " (runtime.max_batch_tokens, or the largest bucket); give shorter --lengths");
+  if (n > cfg.runtime.max_seqs)
+    throw std::invalid_argument("the batch has " + std::to_string(n) + " sequences, more than runtime.max_seqs " +
+                                std::to_string(cfg.runtime.max_seqs));
+  if (n > cfg.pools.cache_lines - 1)  // one line per sequence, never pools.null_line
+    throw std::invalid_argument("the batch has " + std::to_string(n) + " sequences, but the pools have " +
+                                std::to_string(cfg.pools.cache_lines) + " lines, one of them the null line "
+                                "(pools.cache_lines)");
 }
 
 Timing time_forwards(kda::PrefillModule& m, const HostBatch& batch, int iters, cudaStream_t s) {
@@ -370,32 +603,13 @@ class PhaseBarrier {
 //     profile_steps time of layer 0.
 // The full weights are the TP = 1 module's seeded random ones, read back and cut by
 // runtime/tp_shard; every rank starts from its slices of the TP = 1 pools after a first batch.
-int run_tp(const Options& opt) {
+int run_tp(const Options& opt, const kda::Config& full, const std::vector<kda::Config>& rank_cfg) {
   const int N = opt.tp;
-  // NVLink SHARP (NVLS) multicast stays off (NCCL_NVLS_ENABLE=0), as the lent multi-GPU
-  // machines require. NCCL reads its environment at its first call, so this comes before any
-  // NCCL call; a value the caller set is kept.
+  // NVLink SHARP (NVLS) multicast stays off (NCCL_NVLS_ENABLE=0): the multi-GPU machines this
+  // was written for require it. NCCL reads its environment at its first call, so this comes
+  // before any NCCL call; a value the caller set is kept.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
 
-  const kda::Config full = driver_config(opt);
-  if (full.tensor_parallel.size != 1) {
-    std::fprintf(stderr,
-                 "prefill_driver: --tp takes the config of the whole model (tensor_parallel.size 1, "
-                 "model.num_heads = all heads) and cuts it into ranks itself; %s has tensor_parallel.size %lld\n",
-                 opt.config.c_str(), (long long)full.tensor_parallel.size);
-    return 1;
-  }
-  if (full.runtime.layer_steps != kda::LayerSteps::Full) {
-    std::fprintf(stderr, "prefill_driver: --tp needs runtime.layer_steps: full (the all-reduce sums the layer output)\n");
-    return 1;
-  }
-  std::vector<kda::Config> rank_cfg(N, full);
-  for (int r = 0; r < N; ++r) {
-    rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);  // throws when the heads do not divide
-    rank_cfg[r].tensor_parallel.size = N;
-    rank_cfg[r].tensor_parallel.rank = r;
-    kda::validate_config(rank_cfg[r]);
-  }
   const std::vector<int32_t> lengths = batch_lengths(opt, full);
   const HostBatch first = make_batch(lengths, full, /*initial=*/false);
   const HostBatch next = make_batch(lengths, full, /*initial=*/true);
@@ -544,7 +758,7 @@ int run_tp(const Options& opt) {
   return rc;
 }
 #else
-int run_tp(const Options&) {
+int run_tp(const Options&, const kda::Config&, const std::vector<kda::Config>&) {
   std::fprintf(stderr,
                "prefill_driver: --tp needs NCCL, and this build has none (meson found no usable nccl.h and "
                "libnccl; its summary says so): install NCCL >= 2.10 and rebuild\n");
@@ -557,14 +771,34 @@ int run_tp(const Options&) {
 int main(int argc, char** argv) {
   Options opt = parse_args(argc, argv);
 
+  // The config first: a missing file, a YAML error or a bad value is reported the same way on
+  // every machine (kda::Error: "kda::load_config: FILE:LINE: key.path: what is wrong"), exit 2.
+  kda::Config cfg;
+  std::vector<kda::Config> rank_cfg;
+  try {
+    cfg = driver_config(opt);
+    if (opt.tp) rank_cfg = tp_rank_configs(opt, cfg);
+    check_batch_fits(batch_lengths(opt, cfg), cfg);
+  } catch (const kda::Error& e) {
+    std::fprintf(stderr, "prefill_driver: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "prefill_driver: %s\n", e.what());
+    return 2;
+  }
+  if (opt.validate) {
+    print_validated(opt, cfg, rank_cfg);
+    return 0;
+  }
+
   int devices = 0;
   cudaError_t dev_err = cudaGetDeviceCount(&devices);
   if (dev_err != cudaSuccess || devices == 0) {
     std::fprintf(stderr,
-                 "prefill_driver: no CUDA device is usable here (%s). This program runs the KDA "
-                 "prefill on an NVIDIA Hopper GPU (sm_90); the CPU test suite runs without one: "
-                 "bash scripts/run_tests.sh\n",
-                 dev_err != cudaSuccess ? cudaGetErrorString(dev_err) : "no device");
+                 "prefill_driver: config %s is valid, but no CUDA device is usable here (%s). This program "
+                 "runs the KDA prefill on an NVIDIA Hopper GPU (sm_90); without one, --validate checks a "
+                 "config and the CPU test suite runs: bash scripts/run_tests.sh\n",
+                 opt.config.c_str(), dev_err != cudaSuccess ? cudaGetErrorString(dev_err) : "no device");
     return 2;
   }
   if (opt.tp > devices) {
@@ -576,8 +810,7 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (opt.tp) return run_tp(opt);
-    const kda::Config cfg = driver_config(opt);
+    if (opt.tp) return run_tp(opt, cfg, rank_cfg);
     const std::vector<int32_t> lengths = batch_lengths(opt, cfg);
 
     const auto& m = cfg.model;
@@ -588,7 +821,16 @@ int main(int argc, char** argv) {
 
     cudaStream_t stream;
     cuda_or_die(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    // The device memory the constructor takes, against what --validate computes for this config
+    // (cudaMalloc rounds up, and cuBLASLt's handle allocates a little of its own).
+    size_t free_before = 0, free_after = 0, device_bytes = 0;
+    cuda_or_die(cudaMemGetInfo(&free_before, &device_bytes), "cudaMemGetInfo");
     kda::PrefillModule module(cfg);
+    cuda_or_die(cudaMemGetInfo(&free_after, &device_bytes), "cudaMemGetInfo");
+    const int64_t estimate = module_memory(cfg).device_total;
+    std::printf("module construction took %s of device memory (--validate computes %s)\n",
+                mib(static_cast<int64_t>(free_before) - static_cast<int64_t>(free_after)).c_str(),
+                mib(estimate).c_str());
     module.init_random_weights(opt.seed);
     HostBatch first = make_batch(lengths, cfg, /*initial=*/false);
     HostBatch next = make_batch(lengths, cfg, /*initial=*/true);
