@@ -4,6 +4,8 @@
 
 #include <cstddef>
 
+#include "kda/error.h"  // dtype_size throws kda::Error
+
 // cudaStream_t is `CUstream_st*`; declaring the struct keeps the public headers free of CUDA
 // headers.
 struct CUstream_st;
