@@ -1,4 +1,4 @@
-// Float64 CPU reference of one KDA layer's prefill, exactly as /shared/spec/kda-layer.md writes
+// Float64 CPU reference of one KDA layer's prefill, exactly as docs/layer.md writes
 // it, for tests. Plain C++ (no CUDA), so CI runs it.
 //
 // Conventions:

@@ -22,14 +22,14 @@ T* fake_pointer(std::uintptr_t slot, std::uintptr_t byte_offset = 0) {
   return reinterpret_cast<T*>((slot << 40) + byte_offset);
 }
 
-// The seed-scale KDA conv: 3 x 1536 channels of a 4864-wide bf16 in_proj output.
+// The seed-scale KDA conv: 3 x 1536 channels of the 4928-wide (in_proj_stride()) bf16 in_proj output.
 kda::PackedConvArgs kda_args() {
   kda::PackedConvArgs a;
   a.x = fake_pointer<const void>(1);
   a.x_dtype = kda::DType::BF16;
   a.num_tokens = 2048;
   a.dim = 3 * 1536;
-  a.x_row_stride = 4864;
+  a.x_row_stride = 4928;
   a.weight = fake_pointer<const float>(2);
   a.weight_stride_dim = 4;
   a.weight_stride_tap = 1;

@@ -1,4 +1,4 @@
-// The algebra of the chunked KDA recurrence (src/layer/kda_chunked.cu) checked on the CPU:
+// The algebra of the chunked KDA recurrence (src/recurrence/kda_chunked.cu) checked on the CPU:
 // the chunk formulas, evaluated in the kernel's order (64-token chunks from each sequence
 // start, 16-token diagonal sub-blocks, reference tokens for the blocks below them, forward
 // substitution, transposed state), against kda::ref::recurrence token by token.
