@@ -42,6 +42,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/device_memory.h"
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
@@ -231,6 +232,10 @@ std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& 
   if (full.runtime.layer_steps != kda::LayerSteps::Full)
     throw std::invalid_argument("--tp needs runtime.layer_steps: full (the all-reduce sums the layer output); " +
                                 opt.config + " has layer_steps: conv");
+  if (full.pools.external || full.pools.recurrent_layout != kda::RecurrentLayout::HKV ||
+      full.pools.conv_layout != kda::ConvStateLayout::DimTap)
+    throw std::invalid_argument("--tp cuts module-owned pools in the default layouts (src/testing/tp_shard.h); " +
+                                opt.config + " sets pools.external, pools.recurrent_layout or pools.conv_layout");
   std::vector<kda::Config> rank_cfg(N, full);
   for (int r = 0; r < N; ++r) {
     rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);  // throws when the heads do not divide
@@ -319,9 +324,10 @@ ModuleMemory module_memory(const kda::Config& cfg) {
     mem.once.push_back({"chunked recurrence workspace", ((B >> 6) + S) * H * 90624,
                         "(" + n(B) + "/64 + max_seqs " + n(S) + ") x H " + n(H) + " x 90624-byte record"});
   // PrefillModule::Impl: per layer, the two pools, Config::conv_pool_elems() and
-  // recurrent_pool_elems() fp32 elements.
-  mem.conv_pool = cfg.conv_pool_elems() * fp32;
-  mem.recurrent_pool = cfg.recurrent_pool_elems() * fp32;
+  // recurrent_pool_elems() fp32 elements, unless pools.external (the server's memory; this
+  // driver then allocates the same amount itself and hands it over with set_layer_pools).
+  mem.conv_pool = cfg.pools.external ? 0 : cfg.conv_pool_elems() * fp32;
+  mem.recurrent_pool = cfg.pools.external ? 0 : cfg.recurrent_pool_elems() * fp32;
   mem.per_layer = {
       {"conv-state pool", mem.conv_pool,
        "cache_lines " + n(cfg.pools.cache_lines) + " x 3P " + n(3 * P) + " x 3 taps fp32"},
@@ -383,10 +389,14 @@ void print_validated(const Options& opt, const kda::Config& cfg, const std::vect
               (long long)rt.num_layers, rt.num_layers == 1 ? "" : "s", steps_name(rt.layer_steps),
               recurrence_name(rt.recurrence), rt.capture == kda::CaptureMode::Eager ? "eager" : "lazy",
               rt.use_graphs ? "on" : "off", mib(rt.gemm_workspace_bytes).c_str());
-  std::printf("  pools: %lld cache lines (null line %d); per layer: conv-state %lld bytes (%s), recurrent-state "
-              "%lld bytes (%s)\n",
-              (long long)cfg.pools.cache_lines, cfg.pools.null_line, (long long)mem.conv_pool,
-              mib(mem.conv_pool).c_str(), (long long)mem.recurrent_pool, mib(mem.recurrent_pool).c_str());
+  const int64_t conv_line = cfg.conv_line_elems() * 4, rec_line = cfg.recurrent_line_elems() * 4;
+  std::printf("  pools: %lld cache lines (null line %d), %s; a line holds conv-state %lld bytes, %s, and "
+              "recurrent-state %lld bytes, %s (fp32); per layer %s\n",
+              (long long)cfg.pools.cache_lines, cfg.pools.null_line,
+              cfg.pools.external ? "external (the server's memory, handed over with set_layer_pools)" : "module-owned",
+              (long long)conv_line, cfg.pools.conv_layout == kda::ConvStateLayout::DimTap ? "(3P, 3)" : "(3, 3P)",
+              (long long)rec_line, cfg.pools.recurrent_layout == kda::RecurrentLayout::HKV ? "(H, K, V)" : "(H, V, K)",
+              mib(cfg.pools.cache_lines * (conv_line + rec_line)).c_str());
   std::printf("  tensor parallel: size %lld, rank %lld\n", (long long)cfg.tensor_parallel.size,
               (long long)cfg.tensor_parallel.rank);
   if (rank_cfg.empty()) {
@@ -831,6 +841,25 @@ int main(int argc, char** argv) {
     std::printf("module construction took %s of device memory (--validate computes %s)\n",
                 mib(static_cast<int64_t>(free_before) - static_cast<int64_t>(free_after)).c_str(),
                 mib(estimate).c_str());
+    // pools.external: the driver plays the server and hands the module pools of its own (packed
+    // lines, zeroed, as a module-owned pool starts).
+    std::vector<kda::detail::DeviceBuffer> server_pools;
+    if (cfg.pools.external) {
+      for (int l = 0; l < static_cast<int>(cfg.runtime.num_layers); ++l) {
+        server_pools.emplace_back(static_cast<size_t>(cfg.conv_pool_elems()) * 4, "the driver's conv-state pool");
+        server_pools.emplace_back(static_cast<size_t>(cfg.recurrent_pool_elems()) * 4, "the driver's recurrent-state pool");
+        kda::StatePools p;
+        p.conv = server_pools[server_pools.size() - 2].as<float>();
+        p.recurrent = server_pools.back().as<float>();
+        p.lines = cfg.pools.cache_lines;
+        cuda_or_die(cudaMemset(p.conv, 0, static_cast<size_t>(cfg.conv_pool_elems()) * 4), "cudaMemset(pool)");
+        cuda_or_die(cudaMemset(p.recurrent, 0, static_cast<size_t>(cfg.recurrent_pool_elems()) * 4), "cudaMemset(pool)");
+        module.set_layer_pools(l, p);
+      }
+      cuda_or_die(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      std::printf("pools.external: the driver handed the module %d layers' pools\n",
+                  static_cast<int>(cfg.runtime.num_layers));
+    }
     module.init_random_weights(opt.seed);
     HostBatch first = make_batch(lengths, cfg, /*initial=*/false);
     HostBatch next = make_batch(lengths, cfg, /*initial=*/true);

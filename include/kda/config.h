@@ -59,11 +59,29 @@ struct RuntimeConfig {
   }
 };
 
+// How one line of a recurrent-state pool orders a sequence's state (fp32): per head, K x V
+// with v fastest, or V x K with k fastest (the transposed form some decode kernels read).
+enum class RecurrentLayout {
+  HKV,  // (H, K, V)                                                    (pools.recurrent_layout: hkv)
+  HVK,  // (H, V, K)                                                    (pools.recurrent_layout: hvk)
+};
+
+// How one line of a conv-state pool orders the last 3 inputs of the 3P conv channels (fp32).
+enum class ConvStateLayout {
+  DimTap,  // (3P, 3): a channel's 3 taps together, oldest first        (pools.conv_layout: dim_tap)
+  TapDim,  // (3, 3P): one tap of every channel together                (pools.conv_layout: tap_dim)
+};
+
 struct PoolConfig {
   // Lines in each layer's conv-state and recurrent-state pool. A sequence's cache index names
   // the same line in both pools. Line `null_line` is the pad line: sequences on it are skipped.
   int64_t cache_lines = 0;              //                                       (pools.cache_lines)
   int32_t null_line = 0;                //                                       (pools.null_line)
+  // false: the module allocates every layer's pools (zeroed). true: the server hands each
+  // layer's pools to PrefillModule::set_layer_pools before the layer's first forward.
+  bool external = false;                //                                       (pools.external)
+  RecurrentLayout recurrent_layout = RecurrentLayout::HKV;  //            (pools.recurrent_layout)
+  ConvStateLayout conv_layout = ConvStateLayout::DimTap;    //                 (pools.conv_layout)
 };
 
 // Tensor parallelism: this module runs rank `rank` of `size` ranks; model.num_heads is the heads
@@ -82,12 +100,12 @@ struct Config {
   TensorParallelConfig tensor_parallel;  // optional section; default one rank
   std::string name;  // for display only; empty when absent (top-level `name:`)
 
-  // fp32 elements of one layer's pools (PrefillModule allocates exactly these): conv
-  // (cache_lines, 3P, 3), recurrent (cache_lines, H, head_dim, head_dim).
-  int64_t conv_pool_elems() const { return pools.cache_lines * 3 * model.part_dim() * 3; }
-  int64_t recurrent_pool_elems() const {
-    return pools.cache_lines * model.num_heads * model.head_dim * model.head_dim;
-  }
+  // fp32 elements of one line of each pool, and of one layer's pools as the module allocates
+  // them (lines packed: cache_lines x line elements).
+  int64_t conv_line_elems() const { return 3 * model.part_dim() * 3; }
+  int64_t recurrent_line_elems() const { return model.num_heads * model.head_dim * model.head_dim; }
+  int64_t conv_pool_elems() const { return pools.cache_lines * conv_line_elems(); }
+  int64_t recurrent_pool_elems() const { return pools.cache_lines * recurrent_line_elems(); }
 };
 
 // Reads and validates a YAML file. Throws kda::Error naming file, line and key path, e.g.

@@ -81,6 +81,26 @@ struct LayerWeights {
   const void* o_proj = nullptr;         // (D, P) bf16
 };
 
+// Element strides of a layer's pools, as the config's layouts and the pools' line strides give
+// them (pools.conv_layout, pools.recurrent_layout, StatePools).
+struct ConvStateStrides {
+  int64_t line = 0, dim = 0, tap = 0;  // channel c's tap j of line l: [l * line + c * dim + j * tap]
+};
+struct RecurrentStateStrides {
+  int64_t line = 0, head = 0, k = 0, v = 0;
+};
+
+// One layer's state pools in device memory the server owns (pools.external: true), fp32 in the
+// config's layouts. Lines [0, pools.cache_lines) are read and written; whatever lies between
+// lines (a line stride above the line's elements) is never touched.
+struct StatePools {
+  float* conv = nullptr;
+  int64_t conv_line_stride = 0;       // elements between lines; 0: conv_line_elems() (packed)
+  float* recurrent = nullptr;
+  int64_t recurrent_line_stride = 0;  // elements between lines; 0: recurrent_line_elems()
+  int64_t lines = 0;                  // lines the memory holds; >= pools.cache_lines
+};
+
 // What a step sees when it is recorded: device pointers for one (layer, window). All row
 // counts are the bucket's; rows at or past query_start_loc[num_seqs] are padding.
 struct StepContext {
@@ -96,8 +116,10 @@ struct StepContext {
   void* k = nullptr;
   void* v = nullptr;
   void* out = nullptr;                     // (bucket_tokens, D) bf16 layer output
-  float* conv_states = nullptr;            // (cache_lines, 3P, 3) fp32, this layer's pool
-  float* recurrent_states = nullptr;       // (cache_lines, H, 128, 128) fp32, this layer's pool
+  float* conv_states = nullptr;            // this layer's conv pool, fp32, conv_strides
+  float* recurrent_states = nullptr;       // this layer's recurrent pool, fp32, recurrent_strides
+  ConvStateStrides conv_strides;
+  RecurrentStateStrides recurrent_strides;
   const LayerWeights* weights = nullptr;
   const Config* config = nullptr;
 };
@@ -155,9 +177,22 @@ class PrefillModule {
   // The conv planes q, k, v: (3, capacity, P) bf16, plane i at conv_planes() + i*capacity*P.
   const void* conv_planes() const;
   const void* in_proj_output() const;  // (largest bucket, in_proj_stride) bf16 scratch
-  // This layer's pools: conv (cache_lines, 3P, 3) fp32, recurrent (cache_lines, H, 128, 128) fp32.
+  // This layer's pools, fp32: conv (cache_lines, 3P, 3) and recurrent (cache_lines, H, 128, 128)
+  // in the default layouts, packed, when the module owns them; the server's memory with
+  // pools.external (null until set_layer_pools). state_pools(layer) gives the strides too.
   float* conv_state_pool(int layer);
   float* recurrent_state_pool(int layer);
+  StatePools state_pools(int layer) const;
+  ConvStateStrides conv_state_strides(int layer) const;
+  RecurrentStateStrides recurrent_state_strides(int layer) const;
+
+  // pools.external: true. Hands the module this layer's pools (not copied, not freed: they must
+  // outlive the module's use of them). Needed before the layer's first forward. Throws, and
+  // keeps the old pools, when the config owns its pools, a pointer is null or not 4-byte
+  // aligned, a line stride is below the line's elements, lines < pools.cache_lines, or a step
+  // cannot run them. Graphs record the pool pointers: other pointers than before make the
+  // layer's graphs stale (re-recorded on next use), the same pointers keep them.
+  void set_layer_pools(int layer, const StatePools& pools);
 
   // Weights: device pointers owned by the caller, or module-owned seeded random weights
   // (deterministic for a seed; for the driver, tests and benchmarks).

@@ -307,7 +307,8 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
 }
 
 void read_pools(Reader& r, const Entry& section, PoolConfig& pools) {
-  const auto e = r.section(section.value, section.path, section.line, {"cache_lines", "null_line"});
+  const auto e = r.section(section.value, section.path, section.line,
+                           {"cache_lines", "null_line", "external", "recurrent_layout", "conv_layout"});
   pools.cache_lines = r.integer(r.require(e, "cache_lines", section.path, section.line));
   if (const Entry* v = r.find(e, "null_line")) {
     const int64_t line = r.integer(*v);
@@ -315,6 +316,11 @@ void read_pools(Reader& r, const Entry& section, PoolConfig& pools) {
       r.fail(v->line, v->path, str_cat(line, " does not fit the 32-bit cache index"));
     pools.null_line = static_cast<int32_t>(line);
   }
+  if (const Entry* v = r.find(e, "external")) pools.external = r.boolean(*v);
+  if (const Entry* v = r.find(e, "recurrent_layout"))
+    pools.recurrent_layout = r.choice(*v, "hkv", RecurrentLayout::HKV, "hvk", RecurrentLayout::HVK);
+  if (const Entry* v = r.find(e, "conv_layout"))
+    pools.conv_layout = r.choice(*v, "dim_tap", ConvStateLayout::DimTap, "tap_dim", ConvStateLayout::TapDim);
 }
 
 void read_tensor_parallel(Reader& r, const Entry& section, TensorParallelConfig& tp) {

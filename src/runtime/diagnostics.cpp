@@ -85,14 +85,14 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
   const std::size_t out_bytes = m.program.full_layer() ? static_cast<std::size_t>(T * m.program.D) * 2 : 0;
   detail::DeviceBuffer eager_out(out_bytes * m.num_layers, "self_check eager outputs");
   for (int l = 0; l < m.num_layers; ++l) {
-    snap_conv.emplace_back(m.conv_pool_bytes, "self_check pool snapshot");
-    snap_rec.emplace_back(m.rec_pool_bytes, "self_check pool snapshot");
-    eager_conv.emplace_back(m.conv_pool_bytes, "self_check eager pools");
-    eager_rec.emplace_back(m.rec_pool_bytes, "self_check eager pools");
-    stock_conv.emplace_back(m.conv_pool_bytes, "self_check stock conv pool");
-    copy(snap_conv[l].get(), m.conv_pools[l].get(), m.conv_pool_bytes);
-    copy(snap_rec[l].get(), m.rec_pools[l].get(), m.rec_pool_bytes);
-    copy(stock_conv[l].get(), m.conv_pools[l].get(), m.conv_pool_bytes);
+    snap_conv.emplace_back(m.conv_span_bytes(l), "self_check pool snapshot");
+    snap_rec.emplace_back(m.rec_span_bytes(l), "self_check pool snapshot");
+    eager_conv.emplace_back(m.conv_span_bytes(l), "self_check eager pools");
+    eager_rec.emplace_back(m.rec_span_bytes(l), "self_check eager pools");
+    stock_conv.emplace_back(m.conv_span_bytes(l), "self_check stock conv pool");
+    copy(snap_conv[l].get(), m.pools[l].conv, m.conv_span_bytes(l));
+    copy(snap_rec[l].get(), m.pools[l].recurrent, m.rec_span_bytes(l));
+    copy(stock_conv[l].get(), m.pools[l].conv, m.conv_span_bytes(l));
   }
   // The stock baseline writes planes laid out like the module's: (3, padded_rows, P).
   const int64_t stock_plane_elems = m.program.padded_rows * m.program.P;
@@ -111,10 +111,10 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
     copy(eager_out.as<char>() + out_bytes * l, m.program.output.get(), out_bytes);
   }
   for (int l = 0; l < m.num_layers; ++l) {
-    copy(eager_conv[l].get(), m.conv_pools[l].get(), m.conv_pool_bytes);
-    copy(eager_rec[l].get(), m.rec_pools[l].get(), m.rec_pool_bytes);
-    copy(m.conv_pools[l].get(), snap_conv[l].get(), m.conv_pool_bytes);
-    copy(m.rec_pools[l].get(), snap_rec[l].get(), m.rec_pool_bytes);
+    copy(eager_conv[l].get(), m.pools[l].conv, m.conv_span_bytes(l));
+    copy(eager_rec[l].get(), m.pools[l].recurrent, m.rec_span_bytes(l));
+    copy(m.pools[l].conv, snap_conv[l].get(), m.conv_span_bytes(l));
+    copy(m.pools[l].recurrent, snap_rec[l].get(), m.rec_span_bytes(l));
   }
 
   SelfCheckReport report;
@@ -170,13 +170,13 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
     }
   }
   for (int l = 0; l < m.num_layers; ++l) {
-    const auto conv_g = download(m.conv_pools[l].get(), m.conv_pool_bytes);
+    const auto conv_g = download(m.pools[l].conv, m.conv_span_bytes(l));
     add(str_cat("layer ", l, " conv pool, graph vs eager"),
-        diff_bytes_bits(conv_g, download(eager_conv[l].get(), m.conv_pool_bytes)), report.graph_vs_eager_diff_bits);
+        diff_bytes_bits(conv_g, download(eager_conv[l].get(), m.conv_span_bytes(l))), report.graph_vs_eager_diff_bits);
     add(str_cat("layer ", l, " conv pool, packed conv vs stock"),
-        diff_bytes_bits(conv_g, download(stock_conv[l].get(), m.conv_pool_bytes)), report.conv_vs_stock_diff_bits);
+        diff_bytes_bits(conv_g, download(stock_conv[l].get(), m.conv_span_bytes(l))), report.conv_vs_stock_diff_bits);
     add(str_cat("layer ", l, " recurrent pool, graph vs eager"),
-        diff_bytes_bits(download(m.rec_pools[l].get(), m.rec_pool_bytes), download(eager_rec[l].get(), m.rec_pool_bytes)),
+        diff_bytes_bits(download(m.pools[l].recurrent, m.rec_span_bytes(l)), download(eager_rec[l].get(), m.rec_span_bytes(l))),
         report.graph_vs_eager_diff_bits);
   }
   report.ok = report.graph_vs_eager_diff_bits == 0 && report.conv_vs_stock_diff_bits == 0;

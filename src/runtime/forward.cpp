@@ -55,7 +55,7 @@ void PrefillModule::Impl::run_window(int layer, int window, Mode mode, Stream st
     return;
   }
   const detail::GraphKey key{win.bucket, layer, window};
-  const uint64_t version = weights_version[layer];
+  const uint64_t version = layer_version[layer];
   detail::GraphCache::Entry* graph = graphs.find(key, version);
   if (!graph) {
     auto record = [this, &in](cudaStream_t s) { run_steps(in, s); };
@@ -81,7 +81,7 @@ void PrefillModule::Impl::capture_eager_graphs(Stream stream) {
     if (!has_weights[l]) continue;
     for (int64_t bucket : config.runtime.token_buckets) {
       const detail::GraphKey key{bucket, l, 0};
-      if (graphs.find(key, weights_version[l])) continue;
+      if (graphs.find(key, layer_version[l])) continue;
       if (!kernels_warm) {
         KDA_CUDA_CHECK(fn, cudaMemcpyAsync(staging_dev.get(), padding_slot.get(), staging.slot_bytes,
                                            cudaMemcpyHostToDevice, stream));
@@ -96,7 +96,7 @@ void PrefillModule::Impl::capture_eager_graphs(Stream stream) {
         kernels_warm = true;
       }
       const detail::StepInputs in = inputs(l, 0, bucket);
-      graphs.capture(key, weights_version[l], [this, &in](cudaStream_t s) { run_steps(in, s); });
+      graphs.capture(key, layer_version[l], [this, &in](cudaStream_t s) { run_steps(in, s); });
     }
   }
 }

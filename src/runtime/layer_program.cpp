@@ -36,6 +36,26 @@ GemmShape weight_gemm_shape(int64_t n, int64_t k, int64_t lda, int64_t ldc, uint
   return s;
 }
 
+ConvStateStrides conv_state_strides(const Config& config, int64_t line_stride) {
+  ConvStateStrides s;
+  s.line = line_stride > 0 ? line_stride : config.conv_line_elems();
+  const bool dim_tap = config.pools.conv_layout == ConvStateLayout::DimTap;
+  s.dim = dim_tap ? 3 : 1;
+  s.tap = dim_tap ? 1 : 3 * config.model.part_dim();
+  return s;
+}
+
+RecurrentStateStrides recurrent_state_strides(const Config& config, int64_t line_stride) {
+  const int64_t hd = config.model.head_dim;
+  RecurrentStateStrides s;
+  s.line = line_stride > 0 ? line_stride : config.recurrent_line_elems();
+  s.head = hd * hd;
+  const bool hkv = config.pools.recurrent_layout == RecurrentLayout::HKV;
+  s.k = hkv ? hd : 1;
+  s.v = hkv ? 1 : hd;
+  return s;
+}
+
 PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   const ModelConfig& m = model_of(ctx, "kda::detail::conv_args_for_step");
   const int64_t P = m.part_dim();
@@ -52,9 +72,9 @@ PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   a.conv_states = ctx.conv_states;
   a.num_cache_lines = ctx.config->pools.cache_lines;
   a.state_len = 3;
-  a.state_stride_line = 3 * P * 3;
-  a.state_stride_dim = 3;
-  a.state_stride_tap = 1;
+  a.state_stride_line = ctx.conv_strides.line;
+  a.state_stride_dim = ctx.conv_strides.dim;
+  a.state_stride_tap = ctx.conv_strides.tap;
   a.query_start_loc = ctx.query_start_loc;
   a.num_seqs = ctx.max_seqs;
   a.cache_indices = ctx.cache_indices;
@@ -94,10 +114,10 @@ PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   a.gate_lower_bound = m.gate_lower_bound;
   a.states = ctx.recurrent_states;
   a.cache_lines = ctx.config->pools.cache_lines;
-  a.state_stride_v = 1;
-  a.state_stride_k = m.head_dim;
-  a.state_stride_head = m.head_dim * m.head_dim;
-  a.state_stride_line = m.num_heads * m.head_dim * m.head_dim;
+  a.state_stride_line = ctx.recurrent_strides.line;
+  a.state_stride_head = ctx.recurrent_strides.head;
+  a.state_stride_k = ctx.recurrent_strides.k;
+  a.state_stride_v = ctx.recurrent_strides.v;
   a.o = in.o;
   a.o_row_stride = m.part_dim();
   return a;
@@ -203,7 +223,8 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
 }
 
 StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const char* slot, const StagingLayout& staging,
-                                const LayerWeights* weights, float* conv_pool, float* recurrent_pool) const {
+                                const LayerWeights* weights, float* conv_pool, const ConvStateStrides& conv_strides,
+                                float* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const {
   StepInputs in;
   StepContext& ctx = in.ctx;
   ctx.layer = layer;
@@ -220,7 +241,9 @@ StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const cha
   ctx.v = planes.as<char>() + (2 * capacity + row0) * P * 2;
   ctx.out = output.as<char>() + row0 * D * 2;
   ctx.conv_states = conv_pool;
+  ctx.conv_strides = conv_strides;
   ctx.recurrent_states = recurrent_pool;
+  ctx.recurrent_strides = recurrent_strides;
   ctx.weights = weights;
   ctx.config = &config_;
   in.g1 = g1_.get();

@@ -42,13 +42,18 @@ struct StepInputs {
 // The kernel arguments of the conv, recurrence and norm steps. Plain C++ reading only the
 // inputs and ctx.config, so the module's layout is testable on the CPU:
 //  - conv: the Q|K|V columns of ctx.in_proj_out (row stride in_proj_stride()) into the planes
-//    q, k, v (plane stride batch_token_capacity() x P), the layer's conv pool (line, 3P, 3);
+//    q, k, v (plane stride batch_token_capacity() x P), the layer's conv pool (ctx.conv_strides);
 //  - recurrence: planes (row stride P), g1, the b columns of ctx.in_proj_out (offset 3P), the
-//    recurrent pool as contiguous (line, head, k, v), o;
+//    recurrent pool (ctx.recurrent_strides), o;
 //  - norm: o, g2, the norm weight, y.
 PackedConvArgs conv_args_for_step(const StepContext& ctx);
 PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in);
 GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in);
+
+// The element strides of a pool line of the config's layout (pools.conv_layout,
+// pools.recurrent_layout), lines `line_stride` elements apart (0: packed lines).
+ConvStateStrides conv_state_strides(const Config& config, int64_t line_stride);
+RecurrentStateStrides recurrent_state_strides(const Config& config, int64_t line_stride);
 
 // A row-major bf16 GEMM C (M x n) = A (M x k) @ W (n x k)^T whose W is caller-owned (16-byte
 // aligned, as set_layer_weights requires) and whose A and C start at the given alignments.
@@ -85,7 +90,8 @@ class LayerProgram {
   // The inputs of window `window`'s steps for `layer` at `bucket` rows, with the window's staging
   // slot (StagingLayout), the layer's weights and pools.
   StepInputs inputs(int layer, int window, int64_t bucket, const char* staging_slot, const StagingLayout& staging,
-                    const LayerWeights* weights, float* conv_pool, float* recurrent_pool) const;
+                    const LayerWeights* weights, float* conv_pool, const ConvStateStrides& conv_strides,
+                    float* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const;
 
   // The built-in steps in recorded order: in_proj GEMM, packed conv, and with layer_steps: full
   // the gate GEMMs, prep + recurrence, gated RMSNorm and o_proj.

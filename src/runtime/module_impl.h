@@ -34,10 +34,17 @@ struct PrefillModule::Impl {
   int num_layers = 0;
   detail::LayerProgram program;
   detail::StagingLayout staging;
-  std::size_t conv_pool_bytes = 0, rec_pool_bytes = 0;
 
-  // State pools, one of each per layer, zeroed at construction.
-  std::vector<detail::DeviceBuffer> conv_pools, rec_pools;
+  // State pools, one conv and one recurrent pool per layer: where they are (module-owned
+  // buffers, zeroed at construction, or the server's with pools.external) and their strides.
+  std::vector<StatePools> pools;  // line strides resolved (never 0) once a layer has pools
+  std::vector<char> has_pools;    // per layer, 0 or 1
+  std::vector<detail::DeviceBuffer> owned_conv_pools, owned_rec_pools;
+  ConvStateStrides conv_strides(int layer) const;
+  RecurrentStateStrides recurrent_strides(int layer) const;
+  // Bytes from a pool's first element to the end of line cache_lines - 1.
+  std::size_t conv_span_bytes(int layer) const;
+  std::size_t rec_span_bytes(int layer) const;
 
   // Staging. Device: one slot per window, single-buffered (the stream orders every forward's
   // copy after the previous forward's reads). Host: a ring of kHostStagingSlots pinned buffers;
@@ -54,11 +61,11 @@ struct PrefillModule::Impl {
   detail::GraphCache graphs;
   detail::BatchValidator validator;
 
-  // Weights. Graphs record weight pointers: a layer's version changes when its pointers change,
-  // which makes its graphs stale (re-recorded on next use).
+  // Weights. Graphs record weight and pool pointers: a layer's version changes when either
+  // changes, which makes its graphs stale (re-recorded on next use).
   std::vector<LayerWeights> weights;
   std::vector<char> has_weights;  // per layer, 0 or 1
-  std::vector<uint64_t> weights_version;
+  std::vector<uint64_t> layer_version;
   uint64_t next_version = 1;
   std::vector<detail::DeviceBuffer> uploaded_weights;  // per layer, for upload_layer_weights
   detail::DeviceBuffer random_storage;                 // init_random_weights
@@ -106,6 +113,11 @@ struct PrefillModule::Impl {
 
   // weights.cpp
   void set_weights(int layer, const LayerWeights& w, const char* fn);
+  void set_pools(int layer, const StatePools& p, const char* fn);
+  // Throws naming the first step whose can_implement check refuses the layer's weights and
+  // pools at some bucket.
+  void check_steps_can_run(int layer, const char* what, const char* fn) const;
+  void bump_version(int layer);
 };
 
 template <typename F>

@@ -16,16 +16,23 @@ PrefillModule::Impl::Impl(const Config& cfg)
       num_layers(static_cast<int>(cfg.runtime.num_layers)),
       program(config),
       staging(detail::StagingLayout::for_max_seqs(cfg.runtime.max_seqs)),
-      conv_pool_bytes(static_cast<std::size_t>(cfg.conv_pool_elems()) * sizeof(float)),
-      rec_pool_bytes(static_cast<std::size_t>(cfg.recurrent_pool_elems()) * sizeof(float)),
       validator(cfg) {
   constexpr const char* fn = "kda::PrefillModule::PrefillModule";
   KDA_CUDA_CHECK(fn, cudaGetDevice(&device));
-  for (int l = 0; l < num_layers; ++l) {
-    conv_pools.emplace_back(conv_pool_bytes, "conv-state pool");
-    rec_pools.emplace_back(rec_pool_bytes, "recurrent-state pool");
-    KDA_CUDA_CHECK(fn, cudaMemset(conv_pools[l].get(), 0, conv_pool_bytes));
-    KDA_CUDA_CHECK(fn, cudaMemset(rec_pools[l].get(), 0, rec_pool_bytes));
+  pools.assign(num_layers, StatePools{});
+  has_pools.assign(num_layers, 0);
+  if (!config.pools.external) {
+    const auto conv_bytes = static_cast<std::size_t>(config.conv_pool_elems()) * sizeof(float);
+    const auto rec_bytes = static_cast<std::size_t>(config.recurrent_pool_elems()) * sizeof(float);
+    for (int l = 0; l < num_layers; ++l) {
+      owned_conv_pools.emplace_back(conv_bytes, "conv-state pool");
+      owned_rec_pools.emplace_back(rec_bytes, "recurrent-state pool");
+      KDA_CUDA_CHECK(fn, cudaMemset(owned_conv_pools[l].get(), 0, conv_bytes));
+      KDA_CUDA_CHECK(fn, cudaMemset(owned_rec_pools[l].get(), 0, rec_bytes));
+      pools[l] = StatePools{owned_conv_pools[l].as<float>(), config.conv_line_elems(),
+                            owned_rec_pools[l].as<float>(), config.recurrent_line_elems(), config.pools.cache_lines};
+      has_pools[l] = 1;
+    }
   }
   const std::size_t staging_bytes = static_cast<std::size_t>(program.windows_max) * staging.slot_bytes;
   staging_dev = detail::DeviceBuffer(staging_bytes, "metadata staging");
@@ -41,7 +48,7 @@ PrefillModule::Impl::Impl(const Config& cfg)
 
   weights.assign(num_layers, LayerWeights{});
   has_weights.assign(num_layers, 0);
-  weights_version.assign(num_layers, 0);
+  layer_version.assign(num_layers, 0);
   windows.reserve(program.windows_max);
   next_windows.reserve(program.windows_max);
 }
@@ -62,6 +69,27 @@ void PrefillModule::Impl::check_layer_ready(int layer, const char* fn) const {
   check_layer(layer, fn);
   KDA_CHECK(has_weights[layer], fn, "layer ", layer,
             " has no weights: call set_layer_weights or init_random_weights");
+  KDA_CHECK(has_pools[layer], fn, "layer ", layer,
+            " has no state pools: pools.external is true, so call set_layer_pools first");
+}
+
+ConvStateStrides PrefillModule::Impl::conv_strides(int layer) const {
+  return detail::conv_state_strides(config, pools[layer].conv_line_stride);
+}
+
+RecurrentStateStrides PrefillModule::Impl::recurrent_strides(int layer) const {
+  return detail::recurrent_state_strides(config, pools[layer].recurrent_line_stride);
+}
+
+std::size_t PrefillModule::Impl::conv_span_bytes(int layer) const {
+  const int64_t lines = config.pools.cache_lines;
+  return static_cast<std::size_t>((lines - 1) * pools[layer].conv_line_stride + config.conv_line_elems()) * sizeof(float);
+}
+
+std::size_t PrefillModule::Impl::rec_span_bytes(int layer) const {
+  const int64_t lines = config.pools.cache_lines;
+  return static_cast<std::size_t>((lines - 1) * pools[layer].recurrent_line_stride + config.recurrent_line_elems()) *
+         sizeof(float);
 }
 
 void PrefillModule::Impl::check_tp_ready(const char* fn) const {
@@ -73,8 +101,8 @@ void PrefillModule::Impl::check_tp_ready(const char* fn) const {
 }
 
 detail::StepInputs PrefillModule::Impl::inputs(int layer, int window, int64_t bucket) const {
-  return program.inputs(layer, window, bucket, staging_slot(window), staging, &weights[layer],
-                        conv_pools[layer].as<float>(), rec_pools[layer].as<float>());
+  return program.inputs(layer, window, bucket, staging_slot(window), staging, &weights[layer], pools[layer].conv,
+                        conv_strides(layer), pools[layer].recurrent, recurrent_strides(layer));
 }
 
 void PrefillModule::Impl::run_steps(const detail::StepInputs& in, Stream stream) const {
@@ -102,12 +130,27 @@ const void* PrefillModule::in_proj_output() const { return impl_->program.in_pro
 
 float* PrefillModule::conv_state_pool(int layer) {
   impl_->check_layer(layer, "kda::PrefillModule::conv_state_pool");
-  return impl_->conv_pools[layer].as<float>();
+  return impl_->pools[layer].conv;
 }
 
 float* PrefillModule::recurrent_state_pool(int layer) {
   impl_->check_layer(layer, "kda::PrefillModule::recurrent_state_pool");
-  return impl_->rec_pools[layer].as<float>();
+  return impl_->pools[layer].recurrent;
+}
+
+StatePools PrefillModule::state_pools(int layer) const {
+  impl_->check_layer(layer, "kda::PrefillModule::state_pools");
+  return impl_->pools[layer];
+}
+
+ConvStateStrides PrefillModule::conv_state_strides(int layer) const {
+  impl_->check_layer(layer, "kda::PrefillModule::conv_state_strides");
+  return impl_->conv_strides(layer);
+}
+
+RecurrentStateStrides PrefillModule::recurrent_state_strides(int layer) const {
+  impl_->check_layer(layer, "kda::PrefillModule::recurrent_state_strides");
+  return impl_->recurrent_strides(layer);
 }
 
 void PrefillModule::add_step(Step step) {

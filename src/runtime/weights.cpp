@@ -30,23 +30,69 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
                                   {w.f_b, "f_b"}, {w.g_b, "g_b"}, {w.o_proj, "o_proj"}})
     KDA_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, fn, "layer ", layer, ": weights.", name,
               " must be 16-byte aligned (cuBLASLt operand), got ", ptr);
-  // Every step's can_implement for every bucket of window 0 (later windows differ only in
-  // the output rows and staging slot, which the module owns).
-  LayerWeights old = weights[layer];
+  const LayerWeights old = weights[layer];
   weights[layer] = w;
+  try {
+    check_steps_can_run(layer, "these weights", fn);
+  } catch (...) {
+    weights[layer] = old;
+    throw;
+  }
+  if (!has_weights[layer] || std::memcmp(&old, &w, sizeof(LayerWeights)) != 0) bump_version(layer);
+  has_weights[layer] = true;
+}
+
+void PrefillModule::Impl::check_steps_can_run(int layer, const char* what, const char* fn) const {
+  // Every step's can_implement for every bucket of window 0 (later windows differ only in the
+  // output rows and staging slot, which the module owns). A layer without pools yet is checked
+  // with its weights when its pools come, and the other way round.
+  if (!has_pools[layer] || weights[layer].in_proj == nullptr) return;
   for (int64_t bucket : config.runtime.token_buckets) {
     const detail::LayerProgram::Unsupported u = program.why_unsupported(inputs(layer, 0, bucket));
-    if (u.step) {
-      weights[layer] = old;
-      KDA_FAIL(fn, "layer ", layer, ": ", u.step, " cannot run these weights (bucket ", bucket, "): ", u.why);
-    }
+    if (u.step) KDA_FAIL(fn, "layer ", layer, ": ", u.step, " cannot run ", what, " (bucket ", bucket, "): ", u.why);
   }
-  const bool moved = !has_weights[layer] || std::memcmp(&old, &w, sizeof(LayerWeights)) != 0;
-  if (moved) {
-    weights_version[layer] = next_version++;
-    eager_graphs_current = false;
+}
+
+void PrefillModule::Impl::bump_version(int layer) {
+  layer_version[layer] = next_version++;
+  eager_graphs_current = false;
+}
+
+void PrefillModule::Impl::set_pools(int layer, const StatePools& p, const char* fn) {
+  check_layer(layer, fn);
+  KDA_CHECK(config.pools.external, fn, "pools.external is false: the module owns its pools, which cannot be replaced");
+  KDA_CHECK(p.conv != nullptr && p.recurrent != nullptr, fn, "layer ", layer, ": pools.conv and pools.recurrent must be set");
+  for (const auto& [ptr, name] : {std::pair<const float*, const char*>{p.conv, "conv"}, {p.recurrent, "recurrent"}})
+    KDA_CHECK(reinterpret_cast<uintptr_t>(ptr) % alignof(float) == 0, fn, "layer ", layer, ": pools.", name,
+              " must be aligned to its 4-byte fp32 elements, got ", static_cast<const void*>(ptr));
+  KDA_CHECK(p.lines >= config.pools.cache_lines, fn, "layer ", layer, ": pools.lines ", p.lines,
+            " is below pools.cache_lines ", config.pools.cache_lines);
+  StatePools resolved = p;
+  resolved.conv_line_stride = p.conv_line_stride ? p.conv_line_stride : config.conv_line_elems();
+  resolved.recurrent_line_stride = p.recurrent_line_stride ? p.recurrent_line_stride : config.recurrent_line_elems();
+  KDA_CHECK(resolved.conv_line_stride >= config.conv_line_elems(), fn, "layer ", layer, ": conv_line_stride ",
+            p.conv_line_stride, " is below a line's ", config.conv_line_elems(), " elements (3P x 3)");
+  KDA_CHECK(resolved.recurrent_line_stride >= config.recurrent_line_elems(), fn, "layer ", layer,
+            ": recurrent_line_stride ", p.recurrent_line_stride, " is below a line's ", config.recurrent_line_elems(),
+            " elements (H x 128 x 128)");
+  const StatePools old = pools[layer];
+  const bool had = has_pools[layer] != 0;
+  pools[layer] = resolved;
+  has_pools[layer] = 1;
+  try {
+    check_steps_can_run(layer, "these pools", fn);
+  } catch (...) {
+    pools[layer] = old;
+    has_pools[layer] = had;
+    throw;
   }
-  has_weights[layer] = true;
+  if (!had || old.conv != resolved.conv || old.recurrent != resolved.recurrent ||
+      old.conv_line_stride != resolved.conv_line_stride || old.recurrent_line_stride != resolved.recurrent_line_stride)
+    bump_version(layer);
+}
+
+void PrefillModule::set_layer_pools(int layer, const StatePools& pools) {
+  impl_->set_pools(layer, pools, "kda::PrefillModule::set_layer_pools");
 }
 
 void PrefillModule::set_layer_weights(int layer, const LayerWeights& weights) {

@@ -294,7 +294,7 @@ TEST_CASE("validation errors of a parsed file name the file, line and key path")
         "pools:\n"
         "  cache_lines: 33\n";
     CHECK_THROWS_WITH_AS(
-        kda::parse_config(yaml, "configs/x.yaml"),
+        kda::parse_config(yaml, "configs/x.yaml"),  // a source name, not a file
         doctest::Contains(
             "configs/x.yaml:8: runtime.token_buckets[2]: 4096 after 8192, buckets must increase"),
         kda::Error);
@@ -760,4 +760,27 @@ TEST_CASE("the what() string carries the function and the throwing source file")
     CHECK(what.find("kda::parse_config: x.yaml:5: runtime.max_seqs: expected an integer") == 0);
     CHECK(what.find("[src/config/config_yaml.cpp:") != std::string::npos);
   }
+}
+
+TEST_CASE("pools.external and the pool layouts are read, with their choices named on error") {
+  const kda::Config defaults = kda::parse_config(kMinimal);
+  CHECK_FALSE(defaults.pools.external);
+  CHECK(defaults.pools.recurrent_layout == kda::RecurrentLayout::HKV);
+  CHECK(defaults.pools.conv_layout == kda::ConvStateLayout::DimTap);
+  CHECK(defaults.conv_line_elems() == 3 * 256 * 3);
+  CHECK(defaults.recurrent_line_elems() == 2 * 128 * 128);
+
+  kda::Config c = kda::parse_config(minimal_with("pools", "external: true"));
+  CHECK(c.pools.external);
+  c = kda::parse_config(minimal_with("pools", "recurrent_layout: hvk"));
+  CHECK(c.pools.recurrent_layout == kda::RecurrentLayout::HVK);
+  c = kda::parse_config(minimal_with("pools", "conv_layout: tap_dim"));
+  CHECK(c.pools.conv_layout == kda::ConvStateLayout::TapDim);
+
+  CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("pools", "recurrent_layout: kvh"), "x.yaml"),
+                       doctest::Contains("x.yaml:7: pools.recurrent_layout: expected hkv or hvk"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("pools", "conv_layout: 3x3p"), "x.yaml"),
+                       doctest::Contains("x.yaml:7: pools.conv_layout: expected dim_tap or tap_dim"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("pools", "external: maybe"), "x.yaml"),
+                       doctest::Contains("x.yaml:7: pools.external: expected"), kda::Error);
 }

@@ -1,5 +1,5 @@
 // The whole KDA layer through the module (hidden states in, layer output out) against the
-// float64 layer reference (src/layer/layer_reference.h) fed the module's own weights, hidden
+// float64 layer reference (src/testing/layer_reference.h) fed the module's own weights, hidden
 // states and starting pools: output and final recurrent states within the issue's tolerances,
 // for both recurrences, both gate variants, varlen batches with and without initial states.
 #include <doctest/doctest.h>
@@ -55,6 +55,76 @@ Batch make_batch(const std::vector<int32_t>& lengths, bool initial) {
   return b;
 }
 
+// Pools the test owns for pools.external: lines `gap` elements further apart than a line, the
+// gaps filled with a sentinel that the module must never overwrite.
+struct ExternalPools {
+  static constexpr int64_t kConvGap = 37, kRecGap = 64;
+  static constexpr unsigned char kSentinel = 0x5A;
+  kda::test::DeviceBuffer conv, rec;
+  kda::StatePools view;
+
+  explicit ExternalPools(const kda::Config& c) {
+    const int64_t lines = c.pools.cache_lines;
+    view.conv_line_stride = c.conv_line_elems() + kConvGap;
+    view.recurrent_line_stride = c.recurrent_line_elems() + kRecGap;
+    view.lines = lines;
+    conv = kda::test::DeviceBuffer(static_cast<std::size_t>(lines * view.conv_line_stride) * 4);
+    rec = kda::test::DeviceBuffer(static_cast<std::size_t>(lines * view.recurrent_line_stride) * 4);
+    conv.fill_bytes(kSentinel);
+    rec.fill_bytes(kSentinel);
+    // The lines start empty, as module-owned pools do.
+    for (int64_t l = 0; l < lines; ++l) {
+      KDA_TEST_CUDA(cudaMemset(conv.as<float>() + l * view.conv_line_stride, 0, c.conv_line_elems() * 4));
+      KDA_TEST_CUDA(cudaMemset(rec.as<float>() + l * view.recurrent_line_stride, 0, c.recurrent_line_elems() * 4));
+    }
+    KDA_TEST_CUDA(cudaDeviceSynchronize());
+    view.conv = conv.as<float>();
+    view.recurrent = rec.as<float>();
+  }
+
+  // Bytes of the gaps between lines that do not hold the sentinel.
+  int64_t gap_bytes_written(const kda::Config& c) const {
+    const auto cv = conv.download_as<unsigned char>();
+    const auto rv = rec.download_as<unsigned char>();
+    int64_t n = 0;
+    for (int64_t l = 0; l < c.pools.cache_lines; ++l) {
+      for (int64_t i = c.conv_line_elems() * 4; i < view.conv_line_stride * 4; ++i)
+        n += cv[static_cast<std::size_t>(l * view.conv_line_stride * 4 + i)] != kSentinel;
+      for (int64_t i = c.recurrent_line_elems() * 4; i < view.recurrent_line_stride * 4; ++i)
+        n += rv[static_cast<std::size_t>(l * view.recurrent_line_stride * 4 + i)] != kSentinel;
+    }
+    return n;
+  }
+};
+
+// Layer 0's pools in the canonical layouts, whatever the module's layouts and line strides:
+// conv (lines, 3P, 3), recurrent (lines, H, K, V).
+std::vector<float> canonical_conv_pool(const PrefillModule& m) {
+  const kda::Config& c = m.config();
+  const kda::ConvStateStrides st = m.conv_state_strides(0);
+  const int64_t lines = c.pools.cache_lines, dim = 3 * c.model.part_dim();
+  const auto raw = download<float>(m.state_pools(0).conv, (lines - 1) * st.line + c.conv_line_elems());
+  std::vector<float> out(static_cast<std::size_t>(lines * dim * 3));
+  for (int64_t l = 0; l < lines; ++l)
+    for (int64_t ch = 0; ch < dim; ++ch)
+      for (int64_t j = 0; j < 3; ++j) out[(l * dim + ch) * 3 + j] = raw[l * st.line + ch * st.dim + j * st.tap];
+  return out;
+}
+
+std::vector<float> canonical_recurrent_pool(const PrefillModule& m) {
+  const kda::Config& c = m.config();
+  const kda::RecurrentStateStrides st = m.recurrent_state_strides(0);
+  const int64_t lines = c.pools.cache_lines, H = c.model.num_heads;
+  const auto raw = download<float>(m.state_pools(0).recurrent, (lines - 1) * st.line + c.recurrent_line_elems());
+  std::vector<float> out(static_cast<std::size_t>(lines * H * 128 * 128));
+  for (int64_t l = 0; l < lines; ++l)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t k = 0; k < 128; ++k)
+        for (int64_t v = 0; v < 128; ++v)
+          out[((l * H + h) * 128 + k) * 128 + v] = raw[l * st.line + h * st.head + k * st.k + v * st.v];
+  return out;
+}
+
 double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -69,6 +139,11 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
   const kda::ModelConfig& mc = cfg.model;
   const int64_t D = mc.hidden_size, P = mc.part_dim(), H = mc.num_heads, r = mc.gate_rank;
   PrefillModule m(cfg);
+  std::unique_ptr<ExternalPools> external;
+  if (cfg.pools.external) {
+    external = std::make_unique<ExternalPools>(cfg);
+    m.set_layer_pools(0, external->view);
+  }
   m.init_random_weights(1234);
   cudaStream_t s = nullptr;
 
@@ -82,8 +157,8 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
   KDA_TEST_CUDA(cudaDeviceSynchronize());
 
   const int64_t lines = cfg.pools.cache_lines;
-  std::vector<float> conv0 = download<float>(m.conv_state_pool(0), lines * 3 * P * 3);
-  std::vector<float> rec0 = download<float>(m.recurrent_state_pool(0), lines * H * 128 * 128);
+  std::vector<float> conv0 = canonical_conv_pool(m);
+  std::vector<float> rec0 = canonical_recurrent_pool(m);
   const kda::LayerWeights& w = m.layer_weights(0);
   const auto in_proj = bf16_to_floats(download<uint16_t>(w.in_proj, mc.in_proj_cols() * D));
   const auto conv_w = download<float>(w.conv_weight, 3 * P * 4);
@@ -98,7 +173,8 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
   m.run(b.view(), s);
   KDA_TEST_CUDA(cudaDeviceSynchronize());
   const auto out_bits = download<uint16_t>(m.output(), T * D);
-  const auto rec_gpu = download<float>(m.recurrent_state_pool(0), lines * H * 128 * 128);
+  const auto rec_gpu = canonical_recurrent_pool(m);
+  const auto conv_gpu = canonical_conv_pool(m);
 
   kda::ref::HostLayerWeights hw;
   hw.in_proj = in_proj.data();
@@ -136,13 +212,28 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
       swant.push_back(rec0[line * H * 128 * 128 + i]);
     }
   }
-  const double out_err = rel_err(got, want), state_err = rel_err(sgot, swant);
+  // The conv pool's lines of the sequences that ran: the last three inputs, read back in the
+  // layout the config asked for (the reference updated conv0 in the canonical one).
+  std::vector<double> cgot, cwant;
+  for (std::size_t q = 0; q < b.lines.size(); ++q) {
+    if (!hb.names_line(static_cast<int64_t>(q)) || b.qsl[q + 1] == b.qsl[q]) continue;
+    for (int64_t i = 0; i < 3 * P * 3; ++i) {
+      cgot.push_back(conv_gpu[b.lines[q] * 3 * P * 3 + i]);
+      cwant.push_back(conv0[b.lines[q] * 3 * P * 3 + i]);
+    }
+  }
+  const double out_err = rel_err(got, want), state_err = rel_err(sgot, swant), conv_err = rel_err(cgot, cwant);
   const std::string what = std::string(cfg.runtime.recurrence == kda::Recurrence::Chunked ? "chunked" : "token-by-token") +
-                           (mc.gate_lower_bound ? ", lower-bound gate" : ", softplus gate");
+                           (mc.gate_lower_bound ? ", lower-bound gate" : ", softplus gate") +
+                           (cfg.pools.recurrent_layout == kda::RecurrentLayout::HVK ? ", (H, V, K) states" : "") +
+                           (cfg.pools.conv_layout == kda::ConvStateLayout::TapDim ? ", (3, 3P) conv states" : "") +
+                           (cfg.pools.external ? ", external pools" : "");
   MESSAGE("hidden ", D, ", ", H, " heads, ", T, " tokens, ", what, ": output error ", out_err,
-          ", final-state error ", state_err);
+          ", final-state error ", state_err, ", conv-state error ", conv_err);
   CHECK(out_err <= 1e-2);
   CHECK(state_err <= 5e-3);
+  CHECK(conv_err <= 1e-2);
+  if (external) CHECK(external->gap_bytes_written(cfg) == 0);
 }
 
 kda::Config tiny() {
@@ -185,6 +276,33 @@ TEST_CASE("the module's layer output and final states match the float64 layer re
       kda::Config c = seed_scale();
       c.runtime.recurrence = rec;
       check_layer(c, kda::test::quick_mode() ? std::vector<int32_t>{1, 17, 64, 65} : std::vector<int32_t>{1, 17, 64, 65, 300, 15});
+    }
+  }
+}
+
+TEST_CASE("other pool layouts and external pools meet the float64 layer reference") {
+  const std::vector<int32_t> lengths = {1, 15, 16, 17, 63, 64, 65, 300};
+  for (kda::Recurrence rec : {kda::Recurrence::Chunked, kda::Recurrence::TokenByToken}) {
+    SUBCASE("(H, V, K) recurrent states, (3, 3P) conv states") {
+      kda::Config c = tiny();
+      c.runtime.recurrence = rec;
+      c.pools.recurrent_layout = kda::RecurrentLayout::HVK;
+      c.pools.conv_layout = kda::ConvStateLayout::TapDim;
+      check_layer(c, lengths);
+    }
+    SUBCASE("external pools with gaps between lines, default layouts") {
+      kda::Config c = tiny();
+      c.runtime.recurrence = rec;
+      c.pools.external = true;
+      check_layer(c, lengths);
+    }
+    SUBCASE("external pools with gaps between lines, the other layouts") {
+      kda::Config c = tiny();
+      c.runtime.recurrence = rec;
+      c.pools.external = true;
+      c.pools.recurrent_layout = kda::RecurrentLayout::HVK;
+      c.pools.conv_layout = kda::ConvStateLayout::TapDim;
+      check_layer(c, lengths);
     }
   }
 }

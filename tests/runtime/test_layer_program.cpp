@@ -42,6 +42,8 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   ctx.k = fake<void>(6);
   ctx.v = fake<void>(7);
   ctx.recurrent_states = fake<float>(8);
+  ctx.conv_strides = kda::detail::conv_state_strides(config, 0);
+  ctx.recurrent_strides = kda::detail::recurrent_state_strides(config, 0);
   ctx.weights = &weights;
   ctx.config = &config;
   const int64_t p = 512;
@@ -92,4 +94,51 @@ TEST_CASE("the StepContext adapters read the module's layout") {
 
   in.ctx.weights = nullptr;
   CHECK_THROWS_AS(kda::detail::recurrence_args_for_step(in), kda::Error);
+}
+
+TEST_CASE("pool layouts and line strides give the state strides the kernels are handed") {
+  kda::Config config;
+  config.model.hidden_size = 2304;
+  config.model.num_heads = 4;  // P = 512
+  config.pools.cache_lines = 9;
+  const int64_t p = 512;
+
+  kda::ConvStateStrides c = kda::detail::conv_state_strides(config, 0);
+  CHECK(c.line == 3 * p * 3);
+  CHECK(c.dim == 3);
+  CHECK(c.tap == 1);
+  kda::RecurrentStateStrides r = kda::detail::recurrent_state_strides(config, 0);
+  CHECK(r.line == 4 * 128 * 128);
+  CHECK(r.head == 128 * 128);
+  CHECK(r.k == 128);
+  CHECK(r.v == 1);
+
+  config.pools.conv_layout = kda::ConvStateLayout::TapDim;
+  config.pools.recurrent_layout = kda::RecurrentLayout::HVK;
+  c = kda::detail::conv_state_strides(config, 5000);
+  CHECK(c.line == 5000);
+  CHECK(c.dim == 1);
+  CHECK(c.tap == 3 * p);
+  r = kda::detail::recurrent_state_strides(config, 70000);
+  CHECK(r.line == 70000);
+  CHECK(r.head == 128 * 128);
+  CHECK(r.k == 1);
+  CHECK(r.v == 128);
+
+  // The adapters hand them on unchanged.
+  kda::LayerWeights weights;
+  kda::detail::StepInputs in;
+  in.ctx.weights = &weights;
+  in.ctx.config = &config;
+  in.ctx.conv_strides = c;
+  in.ctx.recurrent_strides = r;
+  const kda::PackedConvArgs ca = kda::detail::conv_args_for_step(in.ctx);
+  CHECK(ca.state_stride_line == 5000);
+  CHECK(ca.state_stride_dim == 1);
+  CHECK(ca.state_stride_tap == 3 * p);
+  const kda::PrepRecurrenceArgs ra = kda::detail::recurrence_args_for_step(in);
+  CHECK(ra.state_stride_line == 70000);
+  CHECK(ra.state_stride_head == 128 * 128);
+  CHECK(ra.state_stride_k == 1);
+  CHECK(ra.state_stride_v == 128);
 }

@@ -11,10 +11,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/half_host.h"
@@ -903,6 +905,12 @@ TEST_CASE("user steps see the window's buffers and run inside the graphs") {
     CHECK(ctx.in_proj_out == m->in_proj_output());
     CHECK(ctx.conv_states == m->conv_state_pool(ctx.layer));
     CHECK(ctx.recurrent_states == m->recurrent_state_pool(ctx.layer));
+    CHECK(ctx.conv_strides.line == m->conv_state_strides(ctx.layer).line);
+    CHECK(ctx.conv_strides.dim == 3);
+    CHECK(ctx.conv_strides.tap == 1);
+    CHECK(ctx.recurrent_strides.line == m->recurrent_state_strides(ctx.layer).line);
+    CHECK(ctx.recurrent_strides.k == 128);
+    CHECK(ctx.recurrent_strides.v == 1);
     CHECK(ctx.weights == &m->layer_weights(ctx.layer));
     CHECK(ctx.config == &m->config());
   }
@@ -1024,4 +1032,151 @@ TEST_CASE("the conv planes equal the stock baseline run on the module's in_proj 
   };
   SUBCASE("tiny config") { check(tiny_config()); }
   SUBCASE("hidden 2304, 4 heads") { check(big_config()); }
+}
+
+// Pools the test owns for pools.external, `gap` elements between lines; lines zeroed, the gaps
+// filled with a sentinel the module must never overwrite.
+struct OwnedPools {
+  static constexpr unsigned char kSentinel = 0xA5;
+  DeviceBuffer conv, rec;
+  kda::StatePools view;
+
+  OwnedPools(const kda::Config& c, int64_t gap) {
+    const int64_t lines = c.pools.cache_lines;
+    view.conv_line_stride = c.conv_line_elems() + gap;
+    view.recurrent_line_stride = c.recurrent_line_elems() + gap;
+    view.lines = lines;
+    conv = DeviceBuffer(static_cast<std::size_t>(lines * view.conv_line_stride) * 4);
+    rec = DeviceBuffer(static_cast<std::size_t>(lines * view.recurrent_line_stride) * 4);
+    conv.fill_bytes(kSentinel);
+    rec.fill_bytes(kSentinel);
+    for (int64_t l = 0; l < lines; ++l) {
+      KDA_TEST_CUDA(cudaMemset(conv.as<float>() + l * view.conv_line_stride, 0, c.conv_line_elems() * 4));
+      KDA_TEST_CUDA(cudaMemset(rec.as<float>() + l * view.recurrent_line_stride, 0, c.recurrent_line_elems() * 4));
+    }
+    KDA_TEST_CUDA(cudaDeviceSynchronize());
+    view.conv = conv.as<float>();
+    view.recurrent = rec.as<float>();
+  }
+
+  // The lines packed (as a module-owned pool holds them), and the count of gap bytes that lost
+  // the sentinel.
+  static std::vector<unsigned char> packed(const DeviceBuffer& b, int64_t lines, int64_t line_elems, int64_t stride,
+                                           int64_t* gap_bytes_written) {
+    const auto raw = b.download_as<unsigned char>();
+    std::vector<unsigned char> out;
+    for (int64_t l = 0; l < lines; ++l) {
+      const auto* line = raw.data() + l * stride * 4;
+      out.insert(out.end(), line, line + line_elems * 4);
+      for (int64_t i = line_elems * 4; i < stride * 4; ++i) *gap_bytes_written += line[i] != kSentinel;
+    }
+    return out;
+  }
+};
+
+TEST_CASE("external pools give the bits of module-owned pools, keep their graphs, and bad ones are refused") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  const kda::Config owned_cfg = tiny_config();
+  kda::Config cfg = owned_cfg;
+  cfg.pools.external = true;
+  const int64_t lines = cfg.pools.cache_lines;
+  const int layers = static_cast<int>(cfg.runtime.num_layers);
+
+  auto owned = make_module(owned_cfg, 71);
+  PrefillModule m(cfg);
+  m.init_random_weights(71);
+  const HostBatch small = make_batch({10, 5}, {1, 2}, {false, false});
+  CHECK_THROWS_WITH_AS(m.run(small.view(), s),
+                       doctest::Contains("layer 0 has no state pools: pools.external is true, so call set_layer_pools"),
+                       kda::Error);
+  CHECK(m.conv_state_pool(0) == nullptr);
+
+  std::vector<std::unique_ptr<OwnedPools>> pools;
+  for (int l = 0; l < layers; ++l) pools.push_back(std::make_unique<OwnedPools>(cfg, 24 + 8 * l));
+
+  // Refusals name the problem and keep the layer without pools.
+  CHECK_THROWS_WITH_AS(owned->set_layer_pools(0, pools[0]->view), doctest::Contains("pools.external is false"),
+                       kda::Error);
+  kda::StatePools bad = pools[0]->view;
+  bad.conv = nullptr;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("pools.conv and pools.recurrent must be set"),
+                       kda::Error);
+  bad = pools[0]->view;
+  bad.lines = lines - 1;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("is below pools.cache_lines"), kda::Error);
+  bad = pools[0]->view;
+  bad.conv_line_stride = cfg.conv_line_elems() - 1;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("conv_line_stride"), kda::Error);
+  bad = pools[0]->view;
+  bad.recurrent_line_stride = cfg.recurrent_line_elems() - 3;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("recurrent_line_stride"), kda::Error);
+  bad = pools[0]->view;
+  bad.recurrent = reinterpret_cast<float*>(reinterpret_cast<char*>(bad.recurrent) + 2);
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("4-byte fp32 elements"), kda::Error);
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(layers, pools[0]->view), doctest::Contains("out of range"), kda::Error);
+  CHECK(m.state_pools(0).conv == nullptr);
+  CHECK_THROWS_AS(m.run(small.view(), s), kda::Error);
+
+  for (int l = 0; l < layers; ++l) m.set_layer_pools(l, pools[l]->view);
+  CHECK(m.conv_state_pool(1) == pools[1]->view.conv);
+  CHECK(m.state_pools(1).recurrent_line_stride == pools[1]->view.recurrent_line_stride);
+  CHECK(m.conv_state_strides(0).line == pools[0]->view.conv_line_stride);
+
+  // Batches through lazily recorded graphs (the second of a bucket is a replay), one of several
+  // windows, the same pools handed again in the middle (no re-recording): every bit equals the
+  // module that owns its pools, and no gap byte is written.
+  std::mt19937_64 rng(23);
+  uint64_t seed = 5;
+  std::map<std::tuple<int64_t, int, int>, double> captured;  // capture_us per graph at the reset
+  for (int64_t T : {40, 200, 40, 700, 200}) {
+    CAPTURE(T);
+    const HostBatch b = random_batch(rng, T, cfg);
+    for (PrefillModule* x : {owned.get(), &m}) {
+      fill_hidden(*x, T, seed, s);
+      x->run(b.view(), s);
+    }
+    ++seed;
+    const Dims d = dims(cfg);
+    CHECK(plane_rows_diff(planes_of(*owned, s), planes_of(m, s), d, T) == 0);
+    const std::size_t out_bytes = static_cast<std::size_t>(T * d.D) * 2;
+    const auto oa = download(owned->output(), out_bytes, s), ob = download(m.output(), out_bytes, s);
+    int64_t out_bits = 0;
+    for (int64_t q = 0; q < b.num_seqs(); ++q) {
+      if (b.lines[q] == cfg.pools.null_line) continue;
+      const std::size_t r0 = b.qsl[q] * d.D * 2, r1 = b.qsl[q + 1] * d.D * 2;
+      out_bits += diff_bits(oa.data() + r0, ob.data() + r0, r1 - r0);
+    }
+    CHECK(out_bits == 0);
+    for (int l = 0; l < layers; ++l) {
+      int64_t gap_written = 0;
+      const auto conv = OwnedPools::packed(pools[l]->conv, lines, cfg.conv_line_elems(), pools[l]->view.conv_line_stride,
+                                           &gap_written);
+      const auto rec = OwnedPools::packed(pools[l]->rec, lines, cfg.recurrent_line_elems(),
+                                          pools[l]->view.recurrent_line_stride, &gap_written);
+      const auto conv_owned = conv_pool(*owned, l, s), rec_owned = rec_pool(*owned, l, s);
+      CHECK(diff_bits(conv.data(), conv_owned.data(), conv.size()) == 0);
+      CHECK(diff_bits(rec.data(), rec_owned.data(), rec.size()) == 0);
+      CHECK(gap_written == 0);
+    }
+    if (T == 200 && captured.empty()) {
+      for (const kda::BucketStats& g : m.stats(s).graphs) captured[{g.bucket_tokens, g.layer, g.window}] = g.capture_us;
+      for (int l = 0; l < layers; ++l) m.set_layer_pools(l, pools[l]->view);  // same pointers: graphs stay
+    }
+  }
+  int64_t replays = 0, kept = 0;
+  for (const kda::BucketStats& g : m.stats(s).graphs) {
+    replays += g.replays;
+    const auto it = captured.find({g.bucket_tokens, g.layer, g.window});
+    if (it != captured.end()) kept += it->second == g.capture_us;  // not recorded again
+  }
+  CHECK(replays > 0);
+  CHECK(kept == static_cast<int64_t>(captured.size()));
+
+  // self_check copies and restores the external pools too.
+  const HostBatch last = random_batch(rng, 300, cfg);
+  fill_hidden(m, 300, 99, s);
+  const kda::SelfCheckReport r = m.self_check(last.view(), s);
+  MESSAGE(r.detail);
+  CHECK(r.ok);
 }
