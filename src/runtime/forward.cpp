@@ -73,12 +73,12 @@ void PrefillModule::Impl::run_window(int layer, int window, Mode mode, Stream st
 }
 
 // runtime.capture: eager. Records the (bucket, layer, window 0) graph of every layer that has
-// weights, after one eager run per (bucket, layer) over an all-padding batch (it writes only
+// weights and pools, after one eager run per (bucket, layer) over an all-padding batch (it writes only
 // scratch rows and touches no pool line) so that every module is loaded before capturing.
 void PrefillModule::Impl::capture_eager_graphs(Stream stream) {
   constexpr const char* fn = "kda::PrefillModule::begin_forward";
   for (int l = 0; l < num_layers; ++l) {
-    if (!has_weights[l]) continue;
+    if (!has_weights[l] || !has_pools[l]) continue;
     for (int64_t bucket : config.runtime.token_buckets) {
       const detail::GraphKey key{bucket, l, 0};
       if (graphs.find(key, layer_version[l])) continue;
@@ -86,7 +86,7 @@ void PrefillModule::Impl::capture_eager_graphs(Stream stream) {
         KDA_CUDA_CHECK(fn, cudaMemcpyAsync(staging_dev.get(), padding_slot.get(), staging.slot_bytes,
                                            cudaMemcpyHostToDevice, stream));
         for (int wl = 0; wl < num_layers; ++wl) {
-          if (!has_weights[wl]) continue;
+          if (!has_weights[wl] || !has_pools[wl]) continue;
           for (int64_t b : config.runtime.token_buckets) {
             run_steps(inputs(wl, 0, b), stream);
             ++eager_runs;

@@ -1180,3 +1180,30 @@ TEST_CASE("external pools give the bits of module-owned pools, keep their graphs
   MESSAGE(r.detail);
   CHECK(r.ok);
 }
+
+TEST_CASE("eager capture records the graphs of the layers that have weights and pools") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  kda::Config cfg = tiny_config();
+  cfg.runtime.capture = kda::CaptureMode::Eager;
+  cfg.pools.external = true;
+  PrefillModule m(cfg);
+  m.init_random_weights(93);
+  OwnedPools p0(cfg, 0), p1(cfg, 16);
+  m.set_layer_pools(0, p0.view);
+  const HostBatch b = make_batch({7, 5}, {2, 3}, {false, false});
+  fill_hidden(m, b.tokens(), 4, s);
+  m.begin_forward(b.view(), s);  // layer 1 has no pools yet: only layer 0's graphs
+  kda::ModuleStats st = m.stats(s);
+  CHECK(st.graphs.size() == std::size_t{3});
+  for (const auto& x : st.graphs) CHECK(x.layer == 0);
+  CHECK_NOTHROW(m.run_layer(0, s));
+  CHECK_THROWS_WITH_AS(m.run_layer(1, s), doctest::Contains("layer 1 has no state pools"), kda::Error);
+  m.set_layer_pools(1, p1.view);
+  m.begin_forward(b.view(), s);
+  st = m.stats(s);
+  CHECK(st.graphs.size() == std::size_t{3 * 2});
+  CHECK_NOTHROW(m.run_layer(0, s));
+  CHECK_NOTHROW(m.run_layer(1, s));
+  KDA_TEST_CUDA(cudaStreamSynchronize(s));
+}
