@@ -15,6 +15,7 @@
 
 #include "kda/config.h"
 #include "kda/error.h"
+#include "support/test_errors.h"
 #include "kda/prefill.h"
 #include "runtime/batch_plan.h"
 
@@ -28,24 +29,8 @@ using Ladder = std::vector<int64_t>;
 
 namespace {
 
-// meson sets KDA_SOURCE_ROOT; run by hand from the source tree, the relative path works.
-std::string source_path(const std::string& relative) {
-  const char* root = std::getenv("KDA_SOURCE_ROOT");
-  return root && *root ? std::string(root) + "/" + relative : relative;
-}
-
-// The message of the kda::Error that `f` throws, checked to come from `function`.
-template <typename F>
-std::string error_of(F&& f, const std::string& function) {
-  try {
-    f();
-  } catch (const kda::Error& e) {
-    CHECK(e.function() == function);
-    return e.message();
-  }
-  FAIL("expected a kda::Error from " << function);
-  return {};
-}
+using kda::test::error_of;
+using kda::test::source_path;
 
 std::string parse_error(const std::string& csv) {
   return error_of([&] { parse_token_histogram(csv, "traffic.csv"); },

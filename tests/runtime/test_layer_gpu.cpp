@@ -20,6 +20,7 @@
 #include "testing/layer_reference.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
+#include "support/external_pools.h"
 #include "support/host_batch.h"
 #include "support/test_data.h"
 
@@ -54,48 +55,6 @@ Batch make_batch(const std::vector<int32_t>& lengths, bool initial) {
   }
   return b;
 }
-
-// Pools the test owns for pools.external: lines `gap` elements further apart than a line, the
-// gaps filled with a sentinel that the module must never overwrite.
-struct ExternalPools {
-  static constexpr int64_t kConvGap = 37, kRecGap = 64;
-  static constexpr unsigned char kSentinel = 0x5A;
-  kda::test::DeviceBuffer conv, rec;
-  kda::StatePools view;
-
-  explicit ExternalPools(const kda::Config& c) {
-    const int64_t lines = c.pools.cache_lines;
-    view.conv_line_stride = c.conv_line_elems() + kConvGap;
-    view.recurrent_line_stride = c.recurrent_line_elems() + kRecGap;
-    view.lines = lines;
-    conv = kda::test::DeviceBuffer(static_cast<std::size_t>(lines * view.conv_line_stride) * 4);
-    rec = kda::test::DeviceBuffer(static_cast<std::size_t>(lines * view.recurrent_line_stride) * 4);
-    conv.fill_bytes(kSentinel);
-    rec.fill_bytes(kSentinel);
-    // The lines start empty, as module-owned pools do.
-    for (int64_t l = 0; l < lines; ++l) {
-      KDA_TEST_CUDA(cudaMemset(conv.as<float>() + l * view.conv_line_stride, 0, c.conv_line_elems() * 4));
-      KDA_TEST_CUDA(cudaMemset(rec.as<float>() + l * view.recurrent_line_stride, 0, c.recurrent_line_elems() * 4));
-    }
-    KDA_TEST_CUDA(cudaDeviceSynchronize());
-    view.conv = conv.as<float>();
-    view.recurrent = rec.as<float>();
-  }
-
-  // Bytes of the gaps between lines that do not hold the sentinel.
-  int64_t gap_bytes_written(const kda::Config& c) const {
-    const auto cv = conv.download_as<unsigned char>();
-    const auto rv = rec.download_as<unsigned char>();
-    int64_t n = 0;
-    for (int64_t l = 0; l < c.pools.cache_lines; ++l) {
-      for (int64_t i = c.conv_line_elems() * 4; i < view.conv_line_stride * 4; ++i)
-        n += cv[static_cast<std::size_t>(l * view.conv_line_stride * 4 + i)] != kSentinel;
-      for (int64_t i = c.recurrent_line_elems() * 4; i < view.recurrent_line_stride * 4; ++i)
-        n += rv[static_cast<std::size_t>(l * view.recurrent_line_stride * 4 + i)] != kSentinel;
-    }
-    return n;
-  }
-};
 
 // Layer 0's pools in the canonical layouts, whatever the module's layouts and line strides:
 // conv (lines, 3P, 3), recurrent (lines, H, K, V).
@@ -139,9 +98,9 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
   const kda::ModelConfig& mc = cfg.model;
   const int64_t D = mc.hidden_size, P = mc.part_dim(), H = mc.num_heads, r = mc.gate_rank;
   PrefillModule m(cfg);
-  std::unique_ptr<ExternalPools> external;
+  std::unique_ptr<kda::test::ExternalPools> external;
   if (cfg.pools.external) {
-    external = std::make_unique<ExternalPools>(cfg);
+    external = std::make_unique<kda::test::ExternalPools>(cfg, 37, 64);
     m.set_layer_pools(0, external->view);
   }
   m.init_random_weights(1234);
@@ -233,7 +192,7 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
   CHECK(out_err <= 1e-2);
   CHECK(state_err <= 5e-3);
   CHECK(conv_err <= 1e-2);
-  if (external) CHECK(external->gap_bytes_written(cfg) == 0);
+  if (external) CHECK(external->gap_bytes_written() == 0);
 }
 
 kda::Config tiny() {

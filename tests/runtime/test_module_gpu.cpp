@@ -27,6 +27,7 @@
 #include "runtime/gemm_plan.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
+#include "support/external_pools.h"
 #include "support/host_batch.h"
 #include "support/test_data.h"
 
@@ -1034,46 +1035,6 @@ TEST_CASE("the conv planes equal the stock baseline run on the module's in_proj 
   SUBCASE("hidden 2304, 4 heads") { check(big_config()); }
 }
 
-// Pools the test owns for pools.external, `gap` elements between lines; lines zeroed, the gaps
-// filled with a sentinel the module must never overwrite.
-struct OwnedPools {
-  static constexpr unsigned char kSentinel = 0xA5;
-  DeviceBuffer conv, rec;
-  kda::StatePools view;
-
-  OwnedPools(const kda::Config& c, int64_t gap) {
-    const int64_t lines = c.pools.cache_lines;
-    view.conv_line_stride = c.conv_line_elems() + gap;
-    view.recurrent_line_stride = c.recurrent_line_elems() + gap;
-    view.lines = lines;
-    conv = DeviceBuffer(static_cast<std::size_t>(lines * view.conv_line_stride) * 4);
-    rec = DeviceBuffer(static_cast<std::size_t>(lines * view.recurrent_line_stride) * 4);
-    conv.fill_bytes(kSentinel);
-    rec.fill_bytes(kSentinel);
-    for (int64_t l = 0; l < lines; ++l) {
-      KDA_TEST_CUDA(cudaMemset(conv.as<float>() + l * view.conv_line_stride, 0, c.conv_line_elems() * 4));
-      KDA_TEST_CUDA(cudaMemset(rec.as<float>() + l * view.recurrent_line_stride, 0, c.recurrent_line_elems() * 4));
-    }
-    KDA_TEST_CUDA(cudaDeviceSynchronize());
-    view.conv = conv.as<float>();
-    view.recurrent = rec.as<float>();
-  }
-
-  // The lines packed (as a module-owned pool holds them), and the count of gap bytes that lost
-  // the sentinel.
-  static std::vector<unsigned char> packed(const DeviceBuffer& b, int64_t lines, int64_t line_elems, int64_t stride,
-                                           int64_t* gap_bytes_written) {
-    const auto raw = b.download_as<unsigned char>();
-    std::vector<unsigned char> out;
-    for (int64_t l = 0; l < lines; ++l) {
-      const auto* line = raw.data() + l * stride * 4;
-      out.insert(out.end(), line, line + line_elems * 4);
-      for (int64_t i = line_elems * 4; i < stride * 4; ++i) *gap_bytes_written += line[i] != kSentinel;
-    }
-    return out;
-  }
-};
-
 TEST_CASE("external pools give the bits of module-owned pools, keep their graphs, and bad ones are refused") {
   Stream stream;
   const cudaStream_t s = stream.get();
@@ -1092,8 +1053,8 @@ TEST_CASE("external pools give the bits of module-owned pools, keep their graphs
                        kda::Error);
   CHECK(m.conv_state_pool(0) == nullptr);
 
-  std::vector<std::unique_ptr<OwnedPools>> pools;
-  for (int l = 0; l < layers; ++l) pools.push_back(std::make_unique<OwnedPools>(cfg, 24 + 8 * l));
+  std::vector<std::unique_ptr<kda::test::ExternalPools>> pools;
+  for (int l = 0; l < layers; ++l) pools.push_back(std::make_unique<kda::test::ExternalPools>(cfg, 24 + 8 * l, 24 + 8 * l));
 
   // Refusals name the problem and keep the layer without pools.
   CHECK_THROWS_WITH_AS(owned->set_layer_pools(0, pools[0]->view), doctest::Contains("pools.external is false"),
@@ -1150,10 +1111,8 @@ TEST_CASE("external pools give the bits of module-owned pools, keep their graphs
     CHECK(out_bits == 0);
     for (int l = 0; l < layers; ++l) {
       int64_t gap_written = 0;
-      const auto conv = OwnedPools::packed(pools[l]->conv, lines, cfg.conv_line_elems(), pools[l]->view.conv_line_stride,
-                                           &gap_written);
-      const auto rec = OwnedPools::packed(pools[l]->rec, lines, cfg.recurrent_line_elems(),
-                                          pools[l]->view.recurrent_line_stride, &gap_written);
+      const auto conv = pools[l]->packed_conv(&gap_written);
+      const auto rec = pools[l]->packed_recurrent(&gap_written);
       const auto conv_owned = conv_pool(*owned, l, s), rec_owned = rec_pool(*owned, l, s);
       CHECK(diff_bits(conv.data(), conv_owned.data(), conv.size()) == 0);
       CHECK(diff_bits(rec.data(), rec_owned.data(), rec.size()) == 0);
@@ -1189,7 +1148,7 @@ TEST_CASE("eager capture records the graphs of the layers that have weights and 
   cfg.pools.external = true;
   PrefillModule m(cfg);
   m.init_random_weights(93);
-  OwnedPools p0(cfg, 0), p1(cfg, 16);
+  kda::test::ExternalPools p0(cfg, 0, 0), p1(cfg, 16, 16);
   m.set_layer_pools(0, p0.view);
   const HostBatch b = make_batch({7, 5}, {2, 3}, {false, false});
   fill_hidden(m, b.tokens(), 4, s);
