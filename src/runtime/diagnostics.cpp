@@ -73,6 +73,28 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
     KDA_CUDA_CHECK(fn, cudaStreamSynchronize(stream));
     return h;
   };
+  // A layer's pool: lines [0, cache_lines) of its line stride. Copies keep that geometry (the
+  // stock baseline runs on a copy with the module's strides) and move only the lines'
+  // elements, never what lies between lines (an external pool's gaps are the server's).
+  struct PoolGeometry {
+    int64_t stride, line;  // elements
+  };
+  const int64_t lines = m.config.pools.cache_lines;
+  auto conv_geo = [&](int l) { return PoolGeometry{m.pools[l].conv_line_stride, m.config.conv_line_elems()}; };
+  auto rec_geo = [&](int l) { return PoolGeometry{m.pools[l].recurrent_line_stride, m.config.recurrent_line_elems()}; };
+  auto copy_lines = [&](void* dst, const void* src, PoolGeometry g) {
+    const std::size_t pitch = static_cast<std::size_t>(g.stride) * 4;
+    KDA_CUDA_CHECK(fn, cudaMemcpy2DAsync(dst, pitch, src, pitch, static_cast<std::size_t>(g.line) * 4,
+                                         static_cast<std::size_t>(lines), cudaMemcpyDeviceToDevice, stream));
+  };
+  auto download_lines = [&](const void* src, PoolGeometry g) {  // packed on the host
+    const std::size_t width = static_cast<std::size_t>(g.line) * 4;
+    std::vector<unsigned char> h(width * static_cast<std::size_t>(lines));
+    KDA_CUDA_CHECK(fn, cudaMemcpy2DAsync(h.data(), width, src, static_cast<std::size_t>(g.stride) * 4, width,
+                                         static_cast<std::size_t>(lines), cudaMemcpyDeviceToHost, stream));
+    KDA_CUDA_CHECK(fn, cudaStreamSynchronize(stream));
+    return h;
+  };
   // Real rows [0, T) of the three planes, packed.
   auto copy_planes = [&](char* dst) {
     for (int i = 0; i < 3; ++i) copy(dst + i * plane_bytes, m.program.planes.as<char>() + i * cap_plane_bytes, plane_bytes);
@@ -90,9 +112,9 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
     eager_conv.emplace_back(m.conv_span_bytes(l), "self_check eager pools");
     eager_rec.emplace_back(m.rec_span_bytes(l), "self_check eager pools");
     stock_conv.emplace_back(m.conv_span_bytes(l), "self_check stock conv pool");
-    copy(snap_conv[l].get(), m.pools[l].conv, m.conv_span_bytes(l));
-    copy(snap_rec[l].get(), m.pools[l].recurrent, m.rec_span_bytes(l));
-    copy(stock_conv[l].get(), m.pools[l].conv, m.conv_span_bytes(l));
+    copy_lines(snap_conv[l].get(), m.pools[l].conv, conv_geo(l));
+    copy_lines(snap_rec[l].get(), m.pools[l].recurrent, rec_geo(l));
+    copy_lines(stock_conv[l].get(), m.pools[l].conv, conv_geo(l));
   }
   // The stock baseline writes planes laid out like the module's: (3, padded_rows, P).
   const int64_t stock_plane_elems = m.program.padded_rows * m.program.P;
@@ -111,10 +133,10 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
     copy(eager_out.as<char>() + out_bytes * l, m.program.output.get(), out_bytes);
   }
   for (int l = 0; l < m.num_layers; ++l) {
-    copy(eager_conv[l].get(), m.pools[l].conv, m.conv_span_bytes(l));
-    copy(eager_rec[l].get(), m.pools[l].recurrent, m.rec_span_bytes(l));
-    copy(m.pools[l].conv, snap_conv[l].get(), m.conv_span_bytes(l));
-    copy(m.pools[l].recurrent, snap_rec[l].get(), m.rec_span_bytes(l));
+    copy_lines(eager_conv[l].get(), m.pools[l].conv, conv_geo(l));
+    copy_lines(eager_rec[l].get(), m.pools[l].recurrent, rec_geo(l));
+    copy_lines(m.pools[l].conv, snap_conv[l].get(), conv_geo(l));
+    copy_lines(m.pools[l].recurrent, snap_rec[l].get(), rec_geo(l));
   }
 
   SelfCheckReport report;
@@ -170,13 +192,13 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
     }
   }
   for (int l = 0; l < m.num_layers; ++l) {
-    const auto conv_g = download(m.pools[l].conv, m.conv_span_bytes(l));
+    const auto conv_g = download_lines(m.pools[l].conv, conv_geo(l));
     add(str_cat("layer ", l, " conv pool, graph vs eager"),
-        diff_bytes_bits(conv_g, download(eager_conv[l].get(), m.conv_span_bytes(l))), report.graph_vs_eager_diff_bits);
+        diff_bytes_bits(conv_g, download_lines(eager_conv[l].get(), conv_geo(l))), report.graph_vs_eager_diff_bits);
     add(str_cat("layer ", l, " conv pool, packed conv vs stock"),
-        diff_bytes_bits(conv_g, download(stock_conv[l].get(), m.conv_span_bytes(l))), report.conv_vs_stock_diff_bits);
+        diff_bytes_bits(conv_g, download_lines(stock_conv[l].get(), conv_geo(l))), report.conv_vs_stock_diff_bits);
     add(str_cat("layer ", l, " recurrent pool, graph vs eager"),
-        diff_bytes_bits(download(m.pools[l].recurrent, m.rec_span_bytes(l)), download(eager_rec[l].get(), m.rec_span_bytes(l))),
+        diff_bytes_bits(download_lines(m.pools[l].recurrent, rec_geo(l)), download_lines(eager_rec[l].get(), rec_geo(l))),
         report.graph_vs_eager_diff_bits);
   }
   report.ok = report.graph_vs_eager_diff_bits == 0 && report.conv_vs_stock_diff_bits == 0;
