@@ -2,8 +2,8 @@
 //
 // A PrefillModule owns everything a prefill forward needs, allocated once at construction from
 // the Config: activation buffers, the in_proj output, the three conv planes, per-layer conv-state
-// and recurrent-state pools, batch-metadata staging (pinned host + device) and the cuBLASLt
-// workspace. Per (token bucket, layer, window) it records the layer's steps (in_proj GEMM,
+// and recurrent-state pools (unless pools.external: then the server hands them over with
+// set_layer_pools), batch-metadata staging (pinned host + device) and the cuBLASLt workspace. Per (token bucket, layer, window) it records the layer's steps (in_proj GEMM,
 // packed conv, and with runtime.layer_steps: full the gate GEMMs, the gated delta-rule
 // recurrence, the gated RMSNorm and o_proj into output(), then the tensor-parallel all-reduce
 // when a communicator is set; then the steps added with add_step) into a CUDA graph, and
