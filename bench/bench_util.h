@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -66,21 +67,16 @@ struct Timing {
 template <typename Launch>
 Timing time_each(cudaStream_t stream, int warmup, int reps, Launch&& launch) {
   for (int i = 0; i < warmup; ++i) launch(i);
-  std::vector<cudaEvent_t> ev(2 * static_cast<std::size_t>(reps));
-  for (cudaEvent_t& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  std::deque<kda::detail::Event> ev;  // Event does not move: a deque builds them in place
+  for (int i = 0; i < 2 * reps; ++i) ev.emplace_back(kda::detail::Event::Timing::On);
   for (int i = 0; i < reps; ++i) {
-    BENCH_CUDA(cudaEventRecord(ev[2 * static_cast<std::size_t>(i)], stream));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i].get(), stream));
     launch(warmup + i);
-    BENCH_CUDA(cudaEventRecord(ev[2 * static_cast<std::size_t>(i) + 1], stream));
+    BENCH_CUDA(cudaEventRecord(ev[2 * i + 1].get(), stream));
   }
   BENCH_CUDA(cudaStreamSynchronize(stream));
   std::vector<double> us(static_cast<std::size_t>(reps));
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0.0f;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * static_cast<std::size_t>(i)], ev[2 * static_cast<std::size_t>(i) + 1]));
-    us[static_cast<std::size_t>(i)] = 1000.0 * ms;
-  }
-  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  for (int i = 0; i < reps; ++i) us[static_cast<std::size_t>(i)] = 1000.0 * ev[2 * i + 1].elapsed_ms_since(ev[2 * i]);
   Timing t;
   t.min_us = *std::min_element(us.begin(), us.end());
   t.median_us = median_of(std::move(us));
@@ -93,18 +89,12 @@ Timing time_each(cudaStream_t stream, int warmup, int reps, Launch&& launch) {
 template <typename Launch>
 double time_back_to_back_us(cudaStream_t stream, int warmup, int reps, Launch&& launch) {
   for (int i = 0; i < warmup; ++i) launch(i);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  BENCH_CUDA(cudaEventCreate(&start));
-  BENCH_CUDA(cudaEventCreate(&stop));
-  BENCH_CUDA(cudaEventRecord(start, stream));
+  const kda::detail::Event start(kda::detail::Event::Timing::On), stop(kda::detail::Event::Timing::On);
+  BENCH_CUDA(cudaEventRecord(start.get(), stream));
   for (int i = 0; i < reps; ++i) launch(warmup + i);
-  BENCH_CUDA(cudaEventRecord(stop, stream));
-  BENCH_CUDA(cudaEventSynchronize(stop));
-  float ms = 0.0f;
-  BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return 1000.0 * ms / reps;
+  BENCH_CUDA(cudaEventRecord(stop.get(), stream));
+  BENCH_CUDA(cudaEventSynchronize(stop.get()));
+  return 1000.0 * stop.elapsed_ms_since(start) / reps;
 }
 
 // Set bits of a XOR b over `bytes` bytes (a multiple of 4) of device memory: 0 when the two
