@@ -52,6 +52,9 @@ struct RuntimeConfig {
   Recurrence recurrence = Recurrence::Chunked;  //                   (runtime.recurrence: chunked|token)
   int64_t num_layers = 1;               // KDA layers held by one module        (runtime.num_layers)
   int64_t gemm_workspace_bytes = 32ll << 20;  // cuBLASLt workspace            (runtime.gemm_workspace_mib)
+  // State checkpoints one batch may name in all (BatchView::checkpoint_lines); 0 turns them off.
+  // Each window stages this many entries and the conv checkpoint step's grid has this many blocks.
+  int64_t max_checkpoints = 0;          //                                      (runtime.max_checkpoints)
 
   int64_t largest_bucket() const { return token_buckets.empty() ? 0 : token_buckets.back(); }
   int64_t batch_token_capacity() const {

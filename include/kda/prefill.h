@@ -61,7 +61,30 @@ struct BatchView {
   const bool* has_initial_state = nullptr;   // num_seqs entries: continue from the line's state
   int64_t num_seqs = 0;
 
+  // State checkpoints for prefix caching (runtime.max_checkpoints > 0; all three null: none).
+  // Sequence s fills the lines checkpoint_lines[checkpoint_start_loc[s] .. checkpoint_start_loc[s+1])
+  // in order: its j-th line receives the conv state and the recurrent state as they stand after
+  // (j + 1) x checkpoint_interval[s] of its rows in this batch (offsets count this batch's rows
+  // of s, whatever state it started from). A later batch that names such a line as a sequence's
+  // cache line with has_initial_state continues from that offset: docs/design.md says when the
+  // result is bitwise that of the uninterrupted run. The checkpoints are written by the same
+  // graphs as the rest of the forward (no host synchronisation, no allocation).
+  // Refused by begin_forward, before anything is staged or written: an interval that is not a
+  // positive multiple of 64 (the recurrence's chunk) on a sequence with lines, more lines than
+  // offsets (count x interval > the sequence's rows), a line outside [0, cache_lines) or on
+  // pools.null_line, a line named twice or also named in cache_indices, lines on a skipped
+  // sequence, more than runtime.max_checkpoints lines, and a checkpoint that a window boundary
+  // puts inside a 64-token chunk (a sequence split across windows at a row that is not a
+  // multiple of 64 from its start: start such sequences at rows that are multiples of 64 and
+  // use a largest bucket that is one).
+  const int32_t* checkpoint_interval = nullptr;   // num_seqs entries: tokens; 0 with no lines
+  const int32_t* checkpoint_start_loc = nullptr;  // num_seqs + 1 entries, [0] == 0, non-decreasing
+  const int32_t* checkpoint_lines = nullptr;      // checkpoint_start_loc[num_seqs] entries
+
   int64_t num_tokens() const { return num_seqs > 0 ? query_start_loc[num_seqs] : 0; }
+  int64_t num_checkpoints() const {
+    return num_seqs > 0 && checkpoint_start_loc ? checkpoint_start_loc[num_seqs] : 0;
+  }
 };
 
 // Device weights of one layer, row-major, shapes as in docs/layer.md (P = H x 128, D hidden,
@@ -110,6 +133,11 @@ struct StepContext {
   const int32_t* query_start_loc = nullptr;  // (max_seqs + 1), window-local, padded by repetition
   const int32_t* cache_indices = nullptr;    // (max_seqs), padded with pools.null_line
   const bool* has_initial_state = nullptr;   // (max_seqs)
+  // The window's state checkpoints (runtime.max_checkpoints > 0, else null), 16-byte records
+  // {first, interval, count, base} per sequence (max_seqs) and {line, seq, end, 0} per
+  // checkpoint (max_checkpoints; line -1 when unused), window-local: docs/design.md.
+  const int32_t* checkpoint_seqs = nullptr;
+  const int32_t* checkpoint_entries = nullptr;
   const void* hidden = nullptr;            // (bucket_tokens, D) bf16
   void* in_proj_out = nullptr;             // (bucket_tokens, in_proj_stride) bf16
   void* q = nullptr;                       // (bucket_tokens, P) bf16, conv output planes

@@ -23,6 +23,7 @@ constexpr int64_t kMaxBucketTokens = int64_t{1} << 20;
 constexpr int64_t kMaxSeqs = int64_t{1} << 20;
 constexpr int64_t kMaxBatchTokens = int64_t{1} << 24;
 constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxCheckpoints = int64_t{1} << 16;  // staged per window, one block each
 constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kMaxWorkspaceBytes = int64_t{1} << 30;
 constexpr int64_t kMaxCacheLines = int64_t{1} << 24;
@@ -109,6 +110,8 @@ class Validator {
       fail("runtime.max_batch_tokens",
            str_cat(r.max_batch_tokens, " is more than the supported ", kMaxBatchTokens, " tokens"));
     in_range("runtime.num_layers", r.num_layers, 1, kMaxLayers, "KDA layers per module");
+    in_range("runtime.max_checkpoints", r.max_checkpoints, 0, kMaxCheckpoints,
+             "state checkpoints per batch (0: none)");
     if (r.gemm_workspace_bytes < 0 || r.gemm_workspace_bytes > kMaxWorkspaceBytes)
       fail("runtime.gemm_workspace_mib",
            str_cat(r.gemm_workspace_bytes, " bytes (", r.gemm_workspace_bytes / kMiB,

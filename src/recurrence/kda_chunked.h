@@ -11,7 +11,10 @@
 //   2. state, one block per (sequence, head, 32-column value slice): carries the state across
 //      the sequence's chunks in registers (fp32), O on bf16 and the state update on fp16
 //      tensor cores (rows of U scaled into fp16's range), with a state warp and an output
-//      warp per 16 value rows.
+//      warp per 16 value rows. The sequence's state checkpoints (PrepRecurrenceArgs) are
+//      stored from the same registers at their chunk ends, so a checkpoint is bitwise the
+//      final state of a run cut there, and a run continued from it (has_initial_state) is
+//      bitwise the uninterrupted one: the same 64-token chunks, the same records.
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands); tests/layer states the error bounds against the float64 reference.
 //

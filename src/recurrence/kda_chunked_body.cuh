@@ -41,6 +41,8 @@
 // carried state, is an fp16 product with each row of U^T scaled by a power of two into fp16's
 // range (update_state_f16; Kb' is stored in fp16, B tiles read with ldmatrix .trans), which
 // keeps the final state's error an order of magnitude below that of bf16 operands.
+// At a chunk end where the sequence has a state checkpoint (common/state_checkpoints.h) the
+// state warps also store the carried state to the checkpoint's line.
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
 // barriers (sync and arrive), shuffles, the radix search, ldmatrix (.trans), mma in bf16,
@@ -70,6 +72,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/state_checkpoints.h"
 #include "common/varlen_map.h"
 #include "recurrence/recurrence_params.h"
 
@@ -1357,6 +1360,9 @@ __host__ __device__ __forceinline__ void state_warp(Ops& ops, const RecurrencePa
   float* state = p.states + walk.span.line * p.state_line + head * p.state_head;
   const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
   load_state(st, p, state, from_state, v0, g, t);
+  // The sequence's checkpoints, read once: per chunk the test is integer arithmetic on them.
+  const CheckpointSeq checkpoints = recurrence::checkpoints_of(p, seq);
+  const int64_t rows = walk.span.eos - walk.span.bos;
   // Non-transposed B tiles stored [n][k]: matrix m covers rows 8 (m >> 1).. and columns
   // 8 (m & 1).., so r[0], r[1] are b0, b1 of n-tile 2np and r[2], r[3] those of n-tile 2np + 1.
   const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
@@ -1409,6 +1415,14 @@ KDA_UNROLL
     // S^T = S0^T diag(gamma) + U^T Kb'.
     update_state_f16(ops, st, ua, reinterpret_cast<const float*>(st_n.ptr + S::kGamma),
                      st_n.addr + S::kKb, lane);
+
+    // st is now the state after the first `end` rows. A checkpoint there gets these very
+    // registers, as the final store below does: a run cut at `end` has the same chunks up to
+    // here (chunks start at the sequence's first row; checkpoint ends are chunk ends or its
+    // last row), so it stores bitwise the same state.
+    const int64_t end = std::min((n + 1) * kChunk, rows);
+    const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
+    if (ck >= 0) store_state(st, p, p.states + ck * p.state_line + head * p.state_head, v0, g, t);
   }
 
   store_state(st, p, state, v0, g, t);

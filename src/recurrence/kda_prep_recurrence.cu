@@ -14,6 +14,10 @@
 // before the update and w = beta u. A second pass over S would make ptxas hoist its shared
 // loads under the first pass's reduction and spill; one pass keeps ~170 registers. The update
 // left pending at the end of a chunk is applied before the stage is refilled.
+// State checkpoints (kda_recurrence.h) sit on multiples of 64 rows or the sequence's last row,
+// both stage ends (stages start at the sequence's first row), where the pending update has
+// just been applied: S there is exactly the state a run cut at that row ends with, and the
+// block writes its columns of it to the checkpoint's line.
 // The four slices of a head repeat the prep; it is cheap next to 512 FMAs per token and column.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -156,6 +160,13 @@ __device__ __forceinline__ void apply_update(float (&s)[kHeadDim], const float* 
   }
 }
 
+// Writes this thread's state column S[:, v_j] to `column` (elements k_stride apart).
+__device__ __forceinline__ void store_column(const float (&s)[kHeadDim], float* column,
+                                             int64_t k_stride) {
+#pragma unroll
+  for (int i = 0; i < kHeadDim; ++i) column[i * k_stride] = s[i];
+}
+
 // grid (max_seqs, H x kSlices), block kThreads. Every exit before the token loop is uniform
 // over the block (it depends on blockIdx only), so the barriers below are reached by all.
 template <bool kLowerBound>
@@ -173,7 +184,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int column = slice * Traits::kColumns + tid;  // value index inside the head
-  float* state = p.states + line * p.state_line + head * p.state_head + column * p.state_v;
+  const int64_t column_offset = head * p.state_head + column * p.state_v;
+  float* state = p.states + line * p.state_line + column_offset;
   float s[kHeadDim];
   if (p.has_initial_state != nullptr && p.has_initial_state[seq]) {
 #pragma unroll
@@ -182,6 +194,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
     for (int i = 0; i < kHeadDim; ++i) s[i] = 0.0f;
   }
+
+  // The sequence's checkpoints, read once: per stage the test is integer arithmetic on them.
+  const CheckpointSeq checkpoints = recurrence::checkpoints_of(p, seq);
 
   __shared__ ChunkStage stage;
   const float a_exp = expf(p.a_log[head]);
@@ -206,9 +221,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
       k_prev = stage.k[i];
     }
     apply_update(s, k_prev, w);
+    // S is the state after the first `end` rows, no update pending. Checkpoints are looked
+    // up where kda_chunked looks them up (multiples of 64 rows and the last row), so that
+    // the two kernels write the same entries whatever the table holds.
+    const int64_t end = t0 + n - bos;
+    if (end % kKdaChunk == 0 || t0 + n == eos) {
+      const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
+      if (ck >= 0) store_column(s, p.states + ck * p.state_line + column_offset, p.state_k);
+    }
   }
-#pragma unroll
-  for (int i = 0; i < kHeadDim; ++i) state[i * p.state_k] = s[i];
+  store_column(s, state, p.state_k);
 }
 
 }  // namespace

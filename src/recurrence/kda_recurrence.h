@@ -10,12 +10,17 @@
 // Each launcher checks its arguments with the matching *_supported() (which reads no device
 // memory), builds the kernels' params once (recurrence_params.h, shared by both) and throws
 // kda::Error, enqueueing nothing, when the arguments are unusable.
+// Both kernels also write state checkpoints (common/state_checkpoints.h, for prefix caching):
+// a sequence's state after chosen numbers of its rows (multiples of 64 or all of them) into
+// further pool lines, bitwise the final state that the same kernel leaves when the sequence is
+// cut there.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 
+#include "common/state_checkpoints.h"
 #include "kda/types.h"
 
 namespace kda {
@@ -65,6 +70,17 @@ struct PrepRecurrenceArgs {
 
   void* o = nullptr;         // (num_tokens, H, V) bf16, rounded to nearest even
   int64_t o_row_stride = 0;  // >= P
+
+  // State checkpoints (common/state_checkpoints.h); both null: none. checkpoint_seqs has
+  // max_seqs entries, checkpoint_entries max_checkpoints. Sequence s's state after
+  // checkpoint_entries[i].end of its rows (i from checkpoint_seqs[s]) is also written to
+  // recurrent-pool line checkpoint_entries[i].line. Both tables are device memory, 16-byte
+  // aligned, and keep that header's invariants (ends on chunk ends or the sequence's last row,
+  // lines that no sequence of the batch names); an entry index outside the table, or a line
+  // that is the null line or outside [0, cache_lines), is not written.
+  const CheckpointSeq* checkpoint_seqs = nullptr;
+  const CheckpointEntry* checkpoint_entries = nullptr;
+  int64_t max_checkpoints = 0;
 };
 
 // True when both kernels can run `args` (the argument checks they share; kda_chunked_supported

@@ -103,6 +103,21 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
     return fail(why, str_cat("the state strides (line ", a.state_stride_line, ", head ",
                              a.state_stride_head, ", k ", a.state_stride_k, ", v ",
                              a.state_stride_v, ") make state elements overlap"));
+  if ((a.checkpoint_seqs == nullptr) != (a.checkpoint_entries == nullptr))
+    return fail(why, "checkpoint_seqs and checkpoint_entries must be set together (or both "
+                     "null: no checkpoints)");
+  if (a.max_checkpoints < 0 || a.max_checkpoints > kInt32Max)
+    return fail(why, str_cat("max_checkpoints ", a.max_checkpoints,
+                             " is outside [0, 2^31 - 1]"));
+  if (a.checkpoint_seqs != nullptr) {
+    if (a.max_checkpoints == 0)
+      return fail(why, "max_checkpoints is 0 but checkpoint tables are set (an empty entry "
+                       "table: pass null tables for no checkpoints)");
+    if (!aligned_to(a.checkpoint_seqs, alignof(CheckpointSeq)) ||
+        !aligned_to(a.checkpoint_entries, alignof(CheckpointEntry)))
+      return fail(why, "checkpoint_seqs and checkpoint_entries must be 16-byte aligned "
+                       "(16-byte records)");
+  }
   return true;
 }
 
@@ -136,6 +151,9 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.state_v = a.state_stride_v;
   p.o = static_cast<__nv_bfloat16*>(a.o);
   p.o_stride = a.o_row_stride;
+  p.checkpoint_seqs = a.checkpoint_seqs;
+  p.checkpoint_entries = a.checkpoint_entries;
+  p.max_checkpoints = a.max_checkpoints;
   p.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
   p.search_steps = varlen::search_steps(a.max_seqs);
   p.search_stride = varlen::search_stride(p.search_steps);

@@ -8,12 +8,17 @@
 
 #include <cstdint>
 
+#include "common/host_device.h"
+#include "common/state_checkpoints.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
 
 // cuda_bf16.h's bf16 type, declared here as that header declares it: host code only stores
 // and passes on pointers to it; the kernels include cuda_bf16.h and do the arithmetic.
 struct __nv_bfloat16;
+
+static_assert(kda::kCheckpointChunk == kda::kKdaChunk,
+              "checkpoint offsets must fall on the chunked recurrence's chunk ends");
 
 namespace kda::recurrence {
 
@@ -58,6 +63,12 @@ struct RecurrenceParams {
   __nv_bfloat16* o;
   int64_t o_stride;
 
+  // State checkpoints (common/state_checkpoints.h): both null, or max_seqs and max_checkpoints
+  // entries.
+  const CheckpointSeq* checkpoint_seqs;
+  const CheckpointEntry* checkpoint_entries;
+  int64_t max_checkpoints;
+
   // kda_chunked only: chunk slots (common/varlen_map.h, 64-token chunks), the radix search
   // over query_start_loc, and the workspace of per-(slot, head) records.
   int64_t slots;  // (num_tokens >> 6) + max_seqs
@@ -65,6 +76,22 @@ struct RecurrenceParams {
   int64_t search_stride;
   unsigned char* workspace;  // nullptr for kda_prep_recurrence
 };
+
+// Sequence `seq`'s checkpoints (none when the op has no checkpoint tables): read once per
+// block, before its token loop, so that the test at each chunk end is integer arithmetic.
+KDA_HOST_DEVICE inline CheckpointSeq checkpoints_of(const RecurrenceParams& p, int64_t seq) {
+  return p.checkpoint_seqs != nullptr ? p.checkpoint_seqs[seq] : CheckpointSeq{};
+}
+
+// The pool line that checkpoint `i` (checkpoint_at's result) writes, or -1: none (i < 0), or
+// an entry the kernels do not write (outside the table, naming the null line or no pool line).
+// The host's invariants make the second case impossible; the test keeps a malformed table
+// from writing outside the pool.
+KDA_HOST_DEVICE inline int64_t checkpoint_line(const RecurrenceParams& p, int32_t i) {
+  if (i < 0 || i >= p.max_checkpoints) return -1;
+  const int32_t line = p.checkpoint_entries[i].line;
+  return line == p.null_line || line < 0 || line >= p.cache_lines ? -1 : line;
+}
 
 // The params of `args` (which passed kda_prep_recurrence_supported()); `workspace` is
 // kda_chunked's, nullptr for kda_prep_recurrence. Reads no device memory.

@@ -148,13 +148,21 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
 
   // Graph pass; after each window the stock baseline convolves the same in_proj output from
   // its own copy of the starting conv pool, with the window's staged metadata. Rows the conv
-  // does not write (skipped sequences) start equal: the stock planes take the module's.
+  // does not write (skipped sequences) start equal: the stock planes take the module's. The
+  // baseline's pool gets the window's conv checkpoints first, from its own lines, as the
+  // module's steps do before the packed conv.
   for (int l = 0; l < m.num_layers; ++l) {
     for (int i = 0; i < 3; ++i)
       copy(stock_planes.as<char>() + i * stock_plane_elems * 2, m.program.planes.as<char>() + i * cap_plane_bytes, plane_bytes);
     for (int w = 0; w < nwin; ++w) {
       m.run_window(l, w, Impl::Mode::Replay, stream);
-      PackedConvArgs a = detail::conv_args_for_step(m.inputs(l, w, m.windows[w].bucket).ctx);
+      const detail::StepInputs in = m.inputs(l, w, m.windows[w].bucket);
+      if (m.config.runtime.max_checkpoints > 0) {
+        ConvCheckpointArgs c = detail::conv_checkpoint_args_for_step(in.ctx);
+        c.conv_states = stock_conv[l].as<float>();
+        conv_checkpoint(c, stream);
+      }
+      PackedConvArgs a = detail::conv_args_for_step(in.ctx);
       a.conv_states = stock_conv[l].as<float>();
       a.out = stock_planes.as<char>() + w * m.program.B * m.program.P * 2;
       a.out_plane_stride = stock_plane_elems;

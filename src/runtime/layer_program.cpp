@@ -88,6 +88,28 @@ PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   return a;
 }
 
+ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx) {
+  const ModelConfig& m = model_of(ctx, "kda::detail::conv_checkpoint_args_for_step");
+  ConvCheckpointArgs a;
+  a.x = ctx.in_proj_out;
+  a.x_row_stride = m.in_proj_stride();
+  a.num_tokens = ctx.bucket_tokens;
+  a.dim = 3 * m.part_dim();
+  a.conv_states = ctx.conv_states;
+  a.num_cache_lines = ctx.config->pools.cache_lines;
+  a.state_stride_line = ctx.conv_strides.line;
+  a.state_stride_dim = ctx.conv_strides.dim;
+  a.state_stride_tap = ctx.conv_strides.tap;
+  a.query_start_loc = ctx.query_start_loc;
+  a.num_seqs = ctx.max_seqs;
+  a.cache_indices = ctx.cache_indices;
+  a.has_initial_state = ctx.has_initial_state;
+  a.null_line = ctx.config->pools.null_line;
+  a.entries = reinterpret_cast<const CheckpointEntry*>(ctx.checkpoint_entries);
+  a.max_entries = ctx.checkpoint_entries ? ctx.config->runtime.max_checkpoints : 0;
+  return a;
+}
+
 PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   const StepContext& ctx = in.ctx;
   const ModelConfig& m = model_of(ctx, "kda::detail::recurrence_args_for_step");
@@ -120,6 +142,11 @@ PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   a.state_stride_v = ctx.recurrent_strides.v;
   a.o = in.o;
   a.o_row_stride = m.part_dim();
+  if (ctx.checkpoint_seqs && ctx.checkpoint_entries) {
+    a.checkpoint_seqs = reinterpret_cast<const CheckpointSeq*>(ctx.checkpoint_seqs);
+    a.checkpoint_entries = reinterpret_cast<const CheckpointEntry*>(ctx.checkpoint_entries);
+    a.max_checkpoints = ctx.config->runtime.max_checkpoints;
+  }
   return a;
 }
 
@@ -213,6 +240,8 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
   }
 
   steps_.push_back({"in_proj GEMM", &LayerProgram::run_in_proj});
+  if (config.runtime.max_checkpoints > 0)
+    steps_.push_back({"conv checkpoints", &LayerProgram::run_conv_checkpoints});
   steps_.push_back({"packed conv", &LayerProgram::run_conv});
   if (full_layer()) {
     steps_.push_back({"gate GEMMs (g1, g2)", &LayerProgram::run_gates});
@@ -233,6 +262,10 @@ StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const cha
   ctx.query_start_loc = reinterpret_cast<const int32_t*>(slot + staging.qsl_offset);
   ctx.cache_indices = reinterpret_cast<const int32_t*>(slot + staging.cache_offset);
   ctx.has_initial_state = reinterpret_cast<const bool*>(slot + staging.flags_offset);
+  if (staging.has_checkpoints) {
+    ctx.checkpoint_seqs = reinterpret_cast<const int32_t*>(slot + staging.checkpoint_seq_offset);
+    ctx.checkpoint_entries = reinterpret_cast<const int32_t*>(slot + staging.checkpoint_entry_offset);
+  }
   const int64_t row0 = window * B;
   ctx.hidden = hidden.as<char>() + row0 * D * 2;
   ctx.in_proj_out = in_proj_out.get();
@@ -261,6 +294,9 @@ LayerProgram::Unsupported LayerProgram::why_unsupported(const StepInputs& in) co
   Unsupported u;
   if (!packed_causal_conv1d_supported(conv_args_for_step(in.ctx), &u.why)) {
     u.step = "the packed conv";
+  } else if (config_.runtime.max_checkpoints > 0 &&
+             !conv_checkpoint_supported(conv_checkpoint_args_for_step(in.ctx), &u.why)) {
+    u.step = "the conv checkpoints";
   } else if (full_layer()) {
     const PrepRecurrenceArgs rec = recurrence_args_for_step(in);
     if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_prep_recurrence_supported(rec, &u.why))
@@ -278,6 +314,12 @@ void LayerProgram::run_in_proj(const StepInputs& in, Stream stream) const {
       ctx.weights->in_proj_rows == in_stride && in_proj_gemm_padded_ ? *in_proj_gemm_padded_ : *in_proj_gemm_;
   plan.run(ctx.bucket_tokens, ctx.hidden, ctx.weights->in_proj, ctx.in_proj_out, in.gemm_workspace,
            in.gemm_workspace_bytes, stream);
+}
+
+// (2a) the conv states at the window's checkpoints, copied from the in_proj output (and the
+// sequences' conv lines, read before (2) rewrites them) into the checkpoint lines.
+void LayerProgram::run_conv_checkpoints(const StepInputs& in, Stream stream) const {
+  conv_checkpoint(conv_checkpoint_args_for_step(in.ctx), stream);
 }
 
 // (2) packed conv of the Q|K|V columns into the window's plane rows, updating the conv pool.

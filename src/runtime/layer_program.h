@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/device_memory.h"
+#include "conv/conv_checkpoint.h"
 #include "kda/config.h"
 #include "kda/packed_conv.h"
 #include "kda/prefill.h"
@@ -45,8 +46,11 @@ struct StepInputs {
 //    q, k, v (plane stride batch_token_capacity() x P), the layer's conv pool (ctx.conv_strides);
 //  - recurrence: planes (row stride P), g1, the b columns of ctx.in_proj_out (offset 3P), the
 //    recurrent pool (ctx.recurrent_strides), o;
-//  - norm: o, g2, the norm weight, y.
+//  - norm: o, g2, the norm weight, y;
+//  - conv checkpoints: the conv's x and pool, and the window's checkpoint entries (the
+//    recurrence gets the per-sequence records and the entries too).
 PackedConvArgs conv_args_for_step(const StepContext& ctx);
+ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx);
 PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in);
 GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in);
 
@@ -93,8 +97,10 @@ class LayerProgram {
                     const LayerWeights* weights, float* conv_pool, const ConvStateStrides& conv_strides,
                     float* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const;
 
-  // The built-in steps in recorded order: in_proj GEMM, packed conv, and with layer_steps: full
-  // the gate GEMMs, prep + recurrence, gated RMSNorm and o_proj.
+  // The built-in steps in recorded order: in_proj GEMM, the conv checkpoints (only with
+  // runtime.max_checkpoints > 0: they read the sequences' conv lines before the packed conv
+  // rewrites them), packed conv, and with layer_steps: full the gate GEMMs, prep + recurrence
+  // (which writes the recurrent checkpoints), gated RMSNorm and o_proj.
   int num_steps() const { return static_cast<int>(steps_.size()); }
   const char* step_name(int i) const { return steps_[i].name; }
   void run_step(int i, const StepInputs& in, Stream stream) const { (this->*steps_[i].run)(in, stream); }
@@ -113,6 +119,7 @@ class LayerProgram {
     void (LayerProgram::*run)(const StepInputs&, Stream) const;
   };
   void run_in_proj(const StepInputs& in, Stream stream) const;
+  void run_conv_checkpoints(const StepInputs& in, Stream stream) const;
   void run_conv(const StepInputs& in, Stream stream) const;
   void run_gates(const StepInputs& in, Stream stream) const;
   void run_recurrence(const StepInputs& in, Stream stream) const;

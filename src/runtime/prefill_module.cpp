@@ -15,7 +15,7 @@ PrefillModule::Impl::Impl(const Config& cfg)
     : config(cfg),
       num_layers(static_cast<int>(cfg.runtime.num_layers)),
       program(config),
-      staging(detail::StagingLayout::for_max_seqs(cfg.runtime.max_seqs)),
+      staging(detail::StagingLayout::for_config(cfg)),
       validator(cfg) {
   constexpr const char* fn = "kda::PrefillModule::PrefillModule";
   KDA_CUDA_CHECK(fn, cudaGetDevice(&device));
@@ -36,14 +36,14 @@ PrefillModule::Impl::Impl(const Config& cfg)
   }
   const std::size_t staging_bytes = static_cast<std::size_t>(program.windows_max) * staging.slot_bytes;
   staging_dev = detail::DeviceBuffer(staging_bytes, "metadata staging");
-  KDA_CUDA_CHECK(fn, cudaMemset(staging_dev.get(), 0, staging_bytes));
   for (auto& h : staging_host) h = detail::PinnedBuffer(staging_bytes, "host staging");
   padding_slot = detail::PinnedBuffer(staging.slot_bytes, "padding slot");
-  {
-    // query_start_loc all 0 (PinnedBuffer zeroes), every line null, no initial state.
-    auto* ci = reinterpret_cast<int32_t*>(padding_slot.get() + staging.cache_offset);
-    for (int64_t s = 0; s < config.runtime.max_seqs; ++s) ci[s] = config.pools.null_line;
-  }
+  detail::fill_padding_staging(config, staging, padding_slot.get());
+  // Every device slot starts as padding (no sequence, no checkpoint line), so no kernel ever
+  // reads a slot that a forward has not written as a batch.
+  for (int64_t w = 0; w < program.windows_max; ++w)
+    KDA_CUDA_CHECK(fn, cudaMemcpy(staging_dev.as<char>() + w * staging.slot_bytes, padding_slot.get(),
+                                  staging.slot_bytes, cudaMemcpyHostToDevice));
   KDA_CUDA_CHECK(fn, cudaDeviceSynchronize());
 
   weights.assign(num_layers, LayerWeights{});

@@ -268,6 +268,30 @@ PreparedTokens prepare_tokens(const Matrix& q, const Matrix& k, const Matrix& g1
   return prep;
 }
 
+TruncatedBatch truncated_batch(const HostBatch& batch, int64_t seq, int64_t rows) {
+  const char* fn = "kda::ref::truncated_batch";
+  KDA_CHECK(seq >= 0 && seq < batch.num_seqs, fn, "sequence ", seq, " is outside [0, ",
+            batch.num_seqs, ")");
+  const int64_t bos = batch.query_start_loc[seq];
+  const int64_t length = batch.query_start_loc[seq + 1] - bos;
+  KDA_CHECK(rows >= 0 && rows <= length, fn, "rows ", rows, " is outside [0, ", length,
+            "], the length of sequence ", seq);
+  TruncatedBatch t;
+  const auto n = static_cast<size_t>(batch.num_seqs);
+  t.query_start_loc.resize(n + 1);
+  for (size_t s = 0; s <= n; ++s)
+    t.query_start_loc[s] = static_cast<int32_t>(static_cast<int64_t>(s) <= seq ? bos : bos + rows);
+  t.cache_indices.assign(batch.cache_indices, batch.cache_indices + n);
+  t.has_initial_state.reset(new bool[n]);
+  for (size_t s = 0; s < n; ++s)
+    t.has_initial_state[s] = batch.initial_state(static_cast<int64_t>(s));
+  t.batch = batch;
+  t.batch.query_start_loc = t.query_start_loc.data();
+  t.batch.cache_indices = t.cache_indices.data();
+  t.batch.has_initial_state = t.has_initial_state.get();
+  return t;
+}
+
 Matrix recurrence(const PreparedTokens& prep, const Matrix& v, const HostBatch& batch,
                   const StatePool& pool, bool round_bf16, int threads) {
   const char* fn = "kda::ref::recurrence";

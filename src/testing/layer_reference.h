@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -66,6 +67,19 @@ struct HostBatch {
   bool names_line(int64_t s) const;
   bool initial_state(int64_t s) const { return has_initial_state && has_initial_state[s]; }
 };
+
+// `batch` with sequence `seq` alone, cut to its first `rows` rows (0 <= rows <= its length):
+// every other sequence is empty, every row keeps its position (the inputs of `batch` serve
+// unchanged), seq keeps its line and initial-state flag. A run on it from the same pools
+// leaves in seq's line the states that a checkpoint of seq after `rows` rows of the window
+// holds (common/state_checkpoints.h). Owns the arrays `batch` points into; moving keeps them
+// valid, copying is not possible.
+struct TruncatedBatch {
+  std::vector<int32_t> query_start_loc, cache_indices;
+  std::unique_ptr<bool[]> has_initial_state;
+  HostBatch batch;
+};
+TruncatedBatch truncated_batch(const HostBatch& batch, int64_t seq, int64_t rows);
 
 // The fp32 recurrent-state pool, (cache_lines, H, K, V) addressed with explicit strides.
 struct StatePool {

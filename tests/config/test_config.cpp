@@ -106,6 +106,7 @@ TEST_CASE("the shipped configs load with the documented sizes") {
     CHECK(c.runtime.use_graphs);
     CHECK(c.runtime.num_layers == 2);
     CHECK(c.runtime.gemm_workspace_bytes == 32ll << 20);
+    CHECK(c.runtime.max_checkpoints == 64);
     CHECK(c.pools.cache_lines == 513);
     CHECK(c.pools.null_line == 0);
     CHECK(c.conv_pool_elems() == 513 * 4608 * 3);
@@ -125,6 +126,7 @@ TEST_CASE("the shipped configs load with the documented sizes") {
     CHECK(c.runtime.largest_bucket() == 16384);
     CHECK(c.runtime.batch_token_capacity() == 65536);
     CHECK(c.runtime.num_layers == 2);
+    CHECK(c.runtime.max_checkpoints == 64);
     CHECK(c.pools.cache_lines == 513);
   }
   SUBCASE("tiny, for tests") {
@@ -142,6 +144,7 @@ TEST_CASE("the shipped configs load with the documented sizes") {
     CHECK(c.runtime.max_seqs == 16);
     CHECK(c.runtime.batch_token_capacity() == 1024);
     CHECK(c.runtime.num_layers == 2);
+    CHECK(c.runtime.max_checkpoints == 64);
     CHECK(c.pools.cache_lines == 33);
   }
 }
@@ -166,6 +169,7 @@ TEST_CASE("absent optional keys take the defaults of config.h") {
   CHECK(c.runtime.recurrence == kda::Recurrence::Chunked);
   CHECK(c.runtime.num_layers == 1);
   CHECK(c.runtime.gemm_workspace_bytes == 32ll << 20);
+  CHECK(c.runtime.max_checkpoints == 0);
   CHECK(c.pools.null_line == 0);
 }
 
@@ -193,6 +197,13 @@ TEST_CASE("values are read with their YAML types") {
           kda::LayerSteps::Full);
     CHECK(parse_error(minimal_with("runtime", "layer_steps: half")) ==
           "x.yaml:5: runtime.layer_steps: expected full or conv, got \"half\"");
+  }
+  SUBCASE("max_checkpoints") {
+    CHECK(kda::parse_config(minimal_with("runtime", "max_checkpoints: 64")).runtime.max_checkpoints == 64);
+    CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("runtime", "max_checkpoints: -1"), "x.yaml"),
+                         doctest::Contains("x.yaml:5: runtime.max_checkpoints: -1 is outside [0, 65536]; "
+                                           "state checkpoints per batch (0: none)"),
+                         kda::Error);
   }
   SUBCASE("graphs switch") {
     CHECK_FALSE(kda::parse_config(minimal_with("runtime", "graphs: false")).runtime.use_graphs);
@@ -317,7 +328,7 @@ TEST_CASE("unknown keys are rejected with the keys that are allowed") {
     const std::string message = parse_error(minimal_with("runtime", "streams: 4"));
     CHECK(message.find("x.yaml:5: runtime.streams: unknown key; expected one of token_buckets, "
                        "max_seqs, max_batch_tokens, capture, graphs, layer_steps, recurrence, num_layers, "
-                       "gemm_workspace_mib") == 0);
+                       "gemm_workspace_mib, max_checkpoints") == 0);
     CHECK(message.find("did you mean") == std::string::npos);
   }
   SUBCASE("an unknown section") {
@@ -651,6 +662,10 @@ TEST_CASE("validate_config rejects each rule's violation with the key path") {
   SUBCASE("num_layers at most 1024") {
     c.runtime.num_layers = 1025;
     expected = "runtime.num_layers: 1025 is outside [1, 1024]";
+  }
+  SUBCASE("max_checkpoints within [0, 65536]") {
+    c.runtime.max_checkpoints = 65537;
+    expected = "runtime.max_checkpoints: 65537 is outside [0, 65536]";
   }
   SUBCASE("workspace not negative") {
     c.runtime.gemm_workspace_bytes = -1;

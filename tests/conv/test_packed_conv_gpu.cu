@@ -2,7 +2,10 @@
 // (kda::baseline::stock_causal_conv1d); within a few ulps of the CPU reference in the stock
 // fp32 order and within an error bound of the float64 reference (so a bug in the arithmetic
 // the two GPU paths share would show); nothing written outside the rows and state lines a
-// batch names; CUDA graph replays equal to eager launches.
+// batch names; CUDA graph replays equal to eager launches. Also the conv-state checkpoint op
+// (conv/conv_checkpoint.h) run before the packed conv, as the module does: every checkpoint
+// line bitwise the state the stock path (and the CPU reference) leaves after the sequence cut at
+// the checkpoint's end, malformed entries writing nothing, eager and replayed graphs alike.
 //
 // Every run draws fresh random data; the seed is printed first and KDA_TEST_SEED=<n>
 // reproduces it. KDA_TEST_QUICK=1 runs the reduced set meant for compute-sanitizer: one input
@@ -31,6 +34,8 @@
 #include <vector>
 
 #include "common/half_host.h"
+#include "common/state_checkpoints.h"
+#include "conv/conv_checkpoint.h"
 #include "conv/conv_params.h"
 #include "testing/conv_reference.h"
 #include "conv/silu_recipe.h"
@@ -135,6 +140,7 @@ struct Spec {
   int64_t seq_pad = 0, token_pad = 0;
   std::vector<int32_t> lens;
   double init_frac = 0.5, null_frac = 0.1, oob_frac = 0.05;
+  int64_t extra_lines = 0;  // pool lines past those the batch can name (checkpoint lines)
 };
 
 struct HostProblem {
@@ -235,7 +241,7 @@ HostProblem make_problem(const Spec& spec, Rng& rng) {
   for (int32_t l : spec.lens) total += l;
   hp.tokens = total + spec.token_pad;
   hp.seqs = static_cast<int64_t>(spec.lens.size()) + spec.seq_pad;
-  hp.lines = std::max<int64_t>(static_cast<int64_t>(spec.lens.size()) + 4, 9);  // null line 7 fits
+  hp.lines = std::max<int64_t>(static_cast<int64_t>(spec.lens.size()) + 4, 9) + spec.extra_lines;  // null line 7 fits
   hp.x_stride = hp.dim + spec.row_pad;
   hp.plane = hp.tokens * spec.part_dim + (spec.explicit_plane_stride ? spec.plane_pad : 0);
   hp.out_elems = spec.out_offset + (spec.parts - 1) * hp.plane + hp.tokens * spec.part_dim + kGuardElems;
@@ -1015,4 +1021,436 @@ TEST_CASE("the packed kernel and the stock baseline reject the same malformed ar
     CHECK(r.states == hp.states);
     CHECK(is_poison(r.out.data(), r.out.size()));
   }
+}
+
+// ---- conv-state checkpoints (conv/conv_checkpoint.h), run before the packed conv ----
+
+namespace {
+
+using kda::CheckpointEntry;
+using kda::ConvCheckpointArgs;
+
+// A window's staged checkpoint entries: `entries` is the whole table (max_entries, unused ones
+// line -1, shuffled); `valid` the well-formed ones, which must be written; the malformed ones
+// name lines that nothing else names, which must stay untouched.
+struct CheckpointPlan {
+  std::vector<CheckpointEntry> entries, valid;
+  int64_t malformed = 0;
+};
+
+bool seq_runs(const HostProblem& hp, int64_t s) {
+  const int32_t line = hp.cache[static_cast<std::size_t>(s * hp.spec.cache_stride)];
+  return hp.qsl[s + 1] > hp.qsl[s] && !is_skipped(hp, line);
+}
+
+// Checkpoints of the batch now in hp: per running sequence, its chunk ends (multiples of 64
+// below its rows), its last row and sometimes a small end (1, 2, 3: the taps that come partly
+// from the line), on lines no sequence names; then (with `malformed`) entries the kernel must
+// skip; then unused entries up to max_entries.
+CheckpointPlan plan_checkpoints(Rng& rng, const HostProblem& hp, int64_t max_entries, bool malformed) {
+  CheckpointPlan plan;
+  // Lines no sequence of the batch names (running or not) and not the null line, as the host
+  // guarantees for checkpoint lines (common/state_checkpoints.h).
+  std::vector<unsigned char> named(static_cast<std::size_t>(hp.lines), 0);
+  for (int64_t s = 0; s < hp.seqs; ++s) {
+    const int32_t line = hp.cache[static_cast<std::size_t>(s * hp.spec.cache_stride)];
+    if (line >= 0 && line < hp.lines) named[static_cast<std::size_t>(line)] = 1;
+  }
+  std::vector<int32_t> free_lines;
+  for (int32_t l = 0; l < hp.lines; ++l)
+    if (!named[static_cast<std::size_t>(l)] && !(hp.spec.null_block && l == *hp.spec.null_block))
+      free_lines.push_back(l);
+  rng.shuffle(free_lines);
+  const int64_t reserve = malformed ? 6 : 0;
+  auto room = [&] {
+    return !free_lines.empty() && static_cast<int64_t>(plan.entries.size()) + reserve < max_entries;
+  };
+  auto take_line = [&] {
+    const int32_t l = free_lines.back();
+    free_lines.pop_back();
+    return l;
+  };
+  for (int64_t s = 0; s < hp.seqs; ++s) {
+    if (!seq_runs(hp, s)) continue;
+    const int32_t len = hp.qsl[s + 1] - hp.qsl[s];
+    std::vector<int32_t> ends;
+    if (len > 3 && rng.chance(0.3)) ends.push_back(static_cast<int32_t>(rng.range(1, 3)));
+    for (int32_t e = 64; e < len; e += 64) ends.push_back(e);
+    ends.push_back(len);
+    for (int32_t e : ends) {
+      if (!room()) break;
+      CheckpointEntry c;
+      c.line = take_line();
+      c.seq = static_cast<int32_t>(s);
+      c.end = e;
+      plan.entries.push_back(c);
+      plan.valid.push_back(c);
+    }
+  }
+  if (malformed) {
+    int64_t running = -1, skipped = -1;
+    for (int64_t s = 0; s < hp.seqs; ++s) {
+      if (seq_runs(hp, s)) running = s;
+      else if (hp.qsl[s + 1] > hp.qsl[s]) skipped = s;
+    }
+    auto add = [&](int32_t line, int64_t seq, int64_t end) {
+      if (static_cast<int64_t>(plan.entries.size()) >= max_entries) return;
+      CheckpointEntry c;
+      c.line = line;
+      c.seq = static_cast<int32_t>(seq);
+      c.end = static_cast<int32_t>(end);
+      plan.entries.push_back(c);
+      ++plan.malformed;
+    };
+    if (running >= 0) {
+      const int64_t rows = hp.qsl[running + 1] - hp.qsl[running];
+      if (!free_lines.empty()) add(take_line(), running, rows + 1);  // past the sequence's rows
+      if (!free_lines.empty()) add(take_line(), running, 0);         // end 0
+      add(static_cast<int32_t>(hp.lines), running, 1);               // line past the pool
+      if (hp.spec.null_block) add(*hp.spec.null_block, running, 1);  // the null line
+    }
+    if (skipped >= 0 && !free_lines.empty()) add(take_line(), skipped, 1);  // a skipped sequence
+    if (!free_lines.empty()) add(take_line(), hp.seqs, 1);                  // seq past the capacity
+  }
+  while (static_cast<int64_t>(plan.entries.size()) < max_entries) {
+    CheckpointEntry unused;  // line -1
+    unused.seq = static_cast<int32_t>(rng.below(std::max<int64_t>(hp.seqs, 1)));
+    unused.end = 64;
+    plan.entries.push_back(unused);
+  }
+  rng.shuffle(plan.entries);
+  return plan;
+}
+
+std::size_t state_index(const HostProblem& hp, int64_t line, int64_t c, int64_t tap) {
+  return static_cast<std::size_t>(line * hp.state_line + c * hp.state_dim + tap * hp.state_tap);
+}
+
+// The checkpoint lines before the op hold what a 0xFF fill leaves (any earlier state).
+void poison_checkpoint_lines(HostProblem& hp, const CheckpointPlan& plan) {
+  for (const CheckpointEntry& e : plan.valid)
+    for (int64_t c = 0; c < hp.dim; ++c)
+      for (int64_t tap = 0; tap < 3; ++tap)
+        hp.states[state_index(hp, e.line, c, tap)] = kda::host::bits_float(kda::test::kPoison32);
+}
+
+ConvCheckpointArgs checkpoint_args(const HostProblem& hp, const DeviceInputs& in, DeviceOutputs& o,
+                                   const DeviceBuffer& entries, int64_t max_entries) {
+  const PackedConvArgs p = device_args(hp, in, o);  // the packed conv's view of the same arrays
+  REQUIRE(p.cache_indices_stride == 1);
+  REQUIRE(p.x_dtype == DType::BF16);
+  ConvCheckpointArgs a;
+  a.x = p.x;
+  a.x_row_stride = p.x_row_stride;
+  a.num_tokens = p.num_tokens;
+  a.dim = p.dim;
+  a.conv_states = p.conv_states;
+  a.num_cache_lines = p.num_cache_lines;
+  a.state_stride_line = p.state_stride_line;
+  a.state_stride_dim = p.state_stride_dim;
+  a.state_stride_tap = p.state_stride_tap;
+  a.query_start_loc = p.query_start_loc;
+  a.num_seqs = p.num_seqs;
+  a.cache_indices = p.cache_indices;
+  a.has_initial_state = p.has_initial_state;
+  a.null_line = p.null_block_id.value_or(-1);
+  a.entries = entries.as<const CheckpointEntry>();
+  a.max_entries = max_entries;
+  return a;
+}
+
+// The pool the checkpoint op then the packed conv must leave: the stock path's pool for the
+// whole batch (`stock_states`), with every valid checkpoint line's taps 0..2 set to those the
+// stock path leaves on the sequence's line after running the sequence cut at the checkpoint's
+// end. The cut runs go in rounds (the r-th checkpoint of every sequence at once): sequence s
+// becomes [bos, bos + end) on its line and a filler [bos + end, eos) on a skipped line, so the
+// rounds keep the batch's rows. The CPU reference runs the same rounds: *reference_bits counts
+// the state bits in which it differs from the stock path.
+std::vector<float> expected_checkpoint_pool(const HostProblem& hp, const DeviceInputs& in,
+                                            const CheckpointPlan& plan, const std::vector<float>& stock_states,
+                                            cudaStream_t stream, int64_t* reference_bits) {
+  std::vector<float> want = stock_states;
+  const int32_t skip_line = hp.spec.null_block ? *hp.spec.null_block : -1;
+  const std::unique_ptr<bool[]> host_init = hp.init_bools();
+  std::vector<std::vector<CheckpointEntry>> per_seq(static_cast<std::size_t>(hp.seqs));
+  for (const CheckpointEntry& e : plan.valid) per_seq[static_cast<std::size_t>(e.seq)].push_back(e);
+  for (std::size_t round = 0;; ++round) {
+    std::vector<int32_t> qsl{0}, cache;
+    std::vector<unsigned char> init;
+    std::vector<CheckpointEntry> in_round;
+    for (int64_t s = 0; s < hp.seqs; ++s) {
+      const int32_t bos = hp.qsl[s], eos = hp.qsl[s + 1];
+      const bool flag = hp.init[static_cast<std::size_t>(s)] != 0;
+      const auto& mine = per_seq[static_cast<std::size_t>(s)];
+      if (round < mine.size()) {
+        const CheckpointEntry& e = mine[round];
+        in_round.push_back(e);
+        qsl.push_back(bos + e.end);
+        cache.push_back(hp.cache[static_cast<std::size_t>(s)]);
+        init.push_back(flag);
+      }
+      qsl.push_back(eos);  // the rest of the sequence (or all of it) on a skipped line
+      cache.push_back(skip_line);
+      init.push_back(flag);
+    }
+    if (in_round.empty()) break;
+    const int64_t n = static_cast<int64_t>(cache.size());
+
+    // The stock path on the device.
+    DeviceOutputs o(hp);
+    o.reset(hp);
+    DeviceBuffer dq = upload_vec(qsl), dc = upload_vec(cache), di = upload_vec(init);
+    kda::test::device_synchronize();
+    PackedConvArgs a = device_args(hp, in, o);
+    a.query_start_loc = dq.as<int32_t>();
+    a.num_seqs = n;
+    a.cache_indices = dc.as<int32_t>();
+    a.cache_indices_stride = 1;
+    if (a.has_initial_state) a.has_initial_state = di.as<bool>();
+    run_stock(a, stream);
+    const std::vector<float> stock = o.download().states;
+
+    // The CPU reference on host copies.
+    std::vector<float> ref_states = hp.states;
+    std::vector<unsigned char> ref_out(static_cast<std::size_t>(hp.out_elems) * hp.esize(), 0xFF);
+    std::unique_ptr<bool[]> flags(new bool[init.size()]);
+    for (std::size_t i = 0; i < init.size(); ++i) flags[i] = init[i] != 0;
+    PackedConvArgs h = make_args(hp, hp.x.data(), hp.weight.data(), hp.bias.data(), ref_states.data(), qsl.data(),
+                                 cache.data(), host_init.get(), ref_out.data());
+    h.num_seqs = n;
+    h.cache_indices_stride = 1;
+    if (h.has_initial_state) h.has_initial_state = flags.get();
+    kda::reference::causal_conv1d(h, kda::reference::ConvMath::kStockFp32);
+    *reference_bits += diff_bits(ref_states.data(), stock.data(), stock.size() * sizeof(float));
+
+    for (const CheckpointEntry& e : in_round) {
+      const int32_t line = hp.cache[static_cast<std::size_t>(e.seq)];
+      for (int64_t c = 0; c < hp.dim; ++c)
+        for (int64_t tap = 0; tap < 3; ++tap)
+          want[state_index(hp, e.line, c, tap)] = stock[state_index(hp, line, c, tap)];
+    }
+  }
+  return want;
+}
+
+struct CheckpointDiff {
+  int64_t taps = 0;            // checkpoint tap elements compared
+  int64_t tap_bits = 0;        // bits in which they differ from the expected ones
+  int64_t tap_elements = 0;
+  int64_t other_elements = 0;  // other pool elements that differ from the expected pool
+};
+
+CheckpointDiff compare_checkpoint_pool(const HostProblem& hp, const CheckpointPlan& plan,
+                                       const std::vector<float>& got, const std::vector<float>& want) {
+  CheckpointDiff d;
+  std::vector<unsigned char> is_tap(got.size(), 0);
+  for (const CheckpointEntry& e : plan.valid)
+    for (int64_t c = 0; c < hp.dim; ++c)
+      for (int64_t tap = 0; tap < 3; ++tap) is_tap[state_index(hp, e.line, c, tap)] = 1;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const int64_t bits = diff_bits(&got[i], &want[i], sizeof(float));
+    if (is_tap[i]) {
+      ++d.taps;
+      d.tap_bits += bits;
+      d.tap_elements += bits != 0;
+    } else {
+      d.other_elements += bits != 0;
+    }
+  }
+  return d;
+}
+
+// Checkpoints then the packed conv on the device (eager), against the stock path and the
+// reference: everything printed, everything checked.
+void check_checkpoints(const Spec& spec, Rng& rng, cudaStream_t stream) {
+  HostProblem hp = make_problem(spec, rng);
+  // Capacity: room for a checkpoint on every line, the malformed ones and a few unused entries.
+  const CheckpointPlan plan = plan_checkpoints(rng, hp, hp.lines + 8, true);
+  const int64_t max_entries = static_cast<int64_t>(plan.entries.size());
+  poison_checkpoint_lines(hp, plan);
+  const std::string what = describe(hp);
+  CAPTURE(what);
+  DeviceInputs in(hp);
+  DeviceOutputs dev(hp), stock(hp);
+  dev.reset(hp);
+  stock.reset(hp);
+  DeviceBuffer entries = upload_vec(plan.entries);
+  kda::test::device_synchronize();
+  const ConvCheckpointArgs ca = checkpoint_args(hp, in, dev, entries, max_entries);
+  const PackedConvArgs pa = device_args(hp, in, dev);
+  std::string why;
+  REQUIRE_MESSAGE(kda::conv_checkpoint_supported(ca, &why), "unsupported: ", why);
+  REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(pa, &why), "unsupported: ", why);
+  kda::conv_checkpoint(ca, stream);
+  kda::packed_causal_conv1d(pa, stream);
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+  run_stock(device_args(hp, in, stock), stream);
+  const Result rd = dev.download(), rs = stock.download();
+  int64_t reference_bits = 0;
+  const std::vector<float> want = expected_checkpoint_pool(hp, in, plan, rs.states, stream, &reference_bits);
+  const CheckpointDiff d = compare_checkpoint_pool(hp, plan, rd.states, want);
+  const int64_t out_bits = diff_bits(rd.out.data(), rs.out.data(), rd.out.size());
+  MESSAGE(what << "\n  " << plan.valid.size() << " checkpoints (+" << plan.malformed << " malformed) in "
+               << max_entries << " entries: " << d.taps << " checkpoint taps, " << d.tap_elements << " differ ("
+               << d.tap_bits << " bits) from the stock path on the cut sequences; " << d.other_elements
+               << " other pool elements differ from the stock path; packed conv output " << out_bits
+               << " bits; CPU reference vs stock on the cut sequences " << reference_bits << " state bits");
+  CHECK(d.taps > 0);
+  CHECK(d.tap_bits == 0);
+  CHECK(d.other_elements == 0);
+  CHECK(out_bits == 0);
+  CHECK(reference_bits == 0);
+}
+
+}  // namespace
+
+TEST_CASE("conv-state checkpoints then the packed conv: checkpoint lines are the stock state of the cut sequences") {
+  Rng rng = rng_for("checkpoints");
+  Stream stream;
+  Spec s;
+  SUBCASE("module layout: bf16 3 x 128 of a wider in_proj row, (lines, dim, 3) pool") {
+    s.part_dim = 128;
+    s.row_pad = 64;
+    s.init_frac = 0.5;
+    s.extra_lines = 160;
+    s.lens = random_lengths(rng, 30, quick() ? 1500 : 6000);
+  }
+  SUBCASE("vLLM's (lines, 3, dim) pool, state_len 4, padded lines, no null line") {
+    s.part_dim = 64;
+    s.parts = 3;
+    s.transposed = true;
+    s.state_len = 4;
+    s.line_pad = 5;
+    s.row_pad = 2;
+    s.null_block = std::nullopt;
+    s.init_frac = 0.8;
+    s.extra_lines = 160;
+    s.seq_pad = 3;
+    s.token_pad = 40;
+    s.lens = random_lengths(rng, 30, quick() ? 1500 : 6000);
+  }
+  SUBCASE("short sequences only, every one with an initial state") {
+    s.part_dim = 192;
+    s.parts = 1;
+    s.init_frac = 1.0;
+    s.null_frac = 0.0;
+    s.oob_frac = 0.0;
+    s.extra_lines = 40;
+    s.lens = {1, 2, 3, 1, 2, 4, 5, 2};
+  }
+  SUBCASE("no has_initial_state array") {
+    s.part_dim = 512;
+    s.null_init_flags = true;
+    s.extra_lines = 40;
+    s.lens = {700, 3, 130, 1};
+  }
+  check_checkpoints(s, rng, stream.get());
+}
+
+TEST_CASE("a captured checkpoint + packed conv replays new batches and new entries exactly") {
+  Rng rng = rng_for("checkpoint graph");
+  Stream stream;
+  Spec s;
+  s.part_dim = quick() ? 64 : 256;
+  s.parts = 3;
+  s.row_pad = 32;
+  s.transposed = true;
+  const int64_t token_cap = quick() ? 1024 : 4096, seq_cap = quick() ? 8 : 32, entry_cap = 96;
+  s.extra_lines = entry_cap + 8;
+  s.lens.assign(static_cast<std::size_t>(seq_cap), static_cast<int32_t>(token_cap / seq_cap));
+  HostProblem hp = make_problem(s, rng);
+  const std::vector<float> pristine = hp.states;
+  DeviceInputs in(hp);
+  DeviceOutputs graph_out(hp), stock_out(hp);
+  DeviceBuffer entries(static_cast<std::size_t>(entry_cap) * sizeof(CheckpointEntry));
+  entries.fill_bytes(0xFF);  // line -1: unused, until a batch stages its entries
+  kda::test::device_synchronize();
+  const ConvCheckpointArgs ca = checkpoint_args(hp, in, graph_out, entries, entry_cap);
+  const PackedConvArgs pa = device_args(hp, in, graph_out), sa = device_args(hp, in, stock_out);
+  REQUIRE(kda::conv_checkpoint_supported(ca));
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  KDA_TEST_CUDA(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  kda::conv_checkpoint(ca, stream.get());
+  kda::packed_causal_conv1d(pa, stream.get());
+  KDA_TEST_CUDA(cudaStreamEndCapture(stream.get(), &graph));
+  KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+  const int replays = quick() ? 4 : 10;
+  int64_t taps = 0, tap_bits = 0, others = 0, out_bits = 0, reference_bits = 0;
+  for (int r = 0; r < replays; ++r) {
+    CAPTURE(r);
+    const int64_t n = rng.range(1, seq_cap);
+    std::vector<int32_t> lens;
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t want = rng.chance(0.2) ? rng.range(0, 3) : rng.range(0, 2 * token_cap / n);
+      lens.push_back(static_cast<int32_t>(std::min(want, token_cap - total)));
+      total += lens.back();
+    }
+    fill_batch(rng, hp, lens);
+    hp.states = pristine;
+    const CheckpointPlan plan = plan_checkpoints(rng, hp, entry_cap, r % 2 == 1);
+    poison_checkpoint_lines(hp, plan);
+    in.upload_batch(hp);
+    entries.upload(plan.entries);
+    graph_out.reset(hp);
+    stock_out.reset(hp);
+    KDA_TEST_CUDA(cudaGraphLaunch(exec, stream.get()));
+    KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
+    run_stock(sa, stream.get());
+    const Result rg = graph_out.download(), rs = stock_out.download();
+    const std::vector<float> want = expected_checkpoint_pool(hp, in, plan, rs.states, stream.get(), &reference_bits);
+    const CheckpointDiff d = compare_checkpoint_pool(hp, plan, rg.states, want);
+    const int64_t ob = diff_bits(rg.out.data(), rs.out.data(), rg.out.size());
+    taps += d.taps, tap_bits += d.tap_bits, others += d.other_elements, out_bits += ob;
+    CHECK(d.tap_bits == 0);
+    CHECK(d.other_elements == 0);
+    CHECK(ob == 0);
+  }
+  MESSAGE(replays << " replays of one captured checkpoint + packed conv (capacity " << token_cap << " tokens, "
+                  << seq_cap << " seqs, " << entry_cap << " entries): " << taps << " checkpoint taps, " << tap_bits
+                  << " bits differ from the stock path on the cut sequences; " << others
+                  << " other pool elements differ; packed conv output " << out_bits
+                  << " bits; CPU reference vs stock " << reference_bits << " state bits");
+  CHECK(taps > 0);
+  CHECK(reference_bits == 0);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_CASE("conv_checkpoint refuses malformed arguments, enqueues nothing, and max_entries 0 is a no-op") {
+  Rng rng = rng_for("checkpoint reject");
+  Stream stream;
+  Spec s;
+  s.part_dim = 64;
+  s.lens = {5, 70, 3};
+  s.null_frac = 0.0;
+  s.oob_frac = 0.0;
+  s.extra_lines = 8;
+  HostProblem hp = make_problem(s, rng);
+  const CheckpointPlan plan = plan_checkpoints(rng, hp, 16, false);
+  DeviceInputs in(hp);
+  DeviceOutputs o(hp);
+  o.reset(hp);
+  DeviceBuffer entries = upload_vec(plan.entries);
+  kda::test::device_synchronize();
+  const ConvCheckpointArgs good = checkpoint_args(hp, in, o, entries, 16);
+  REQUIRE(kda::conv_checkpoint_supported(good));
+  ConvCheckpointArgs a = good;
+  a.x_row_stride = a.dim - 1;
+  CHECK_THROWS_AS(kda::conv_checkpoint(a, stream.get()), kda::Error);
+  a = good;
+  a.state_stride_dim = 1;  // taps overlap channels
+  CHECK_THROWS_AS(kda::conv_checkpoint(a, stream.get()), kda::Error);
+  a = good;
+  a.entries = reinterpret_cast<const CheckpointEntry*>(entries.as<char>() + 4);
+  CHECK_THROWS_AS(kda::conv_checkpoint(a, stream.get()), kda::Error);
+  a = good;
+  a.max_entries = 0;
+  kda::conv_checkpoint(a, stream.get());
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream.get()));
+  const Result r = o.download();
+  CHECK(diff_bits(r.states.data(), hp.states.data(), r.states.size() * sizeof(float)) == 0);
 }

@@ -395,6 +395,9 @@ struct HostBatchData {
   std::vector<int32_t> qsl, cache;
   std::vector<uint8_t> init;  // bool storage
   std::optional<double> lower_bound;
+  // State checkpoints: none when both are empty, else max_seqs and max_checkpoints entries.
+  std::vector<kda::CheckpointSeq> checkpoint_seqs;
+  std::vector<kda::CheckpointEntry> checkpoint_entries;
 
   int64_t pool_index(int64_t line, int64_t h, int64_t kc, int64_t vc) const {
     return line * line_stride + h * head_stride + vc * 128 + kc;
@@ -429,7 +432,23 @@ struct HostBatchData {
     a.state_stride_k = 1;
     a.o = o.data();
     a.o_row_stride = o_stride;
+    if (!checkpoint_seqs.empty()) {
+      a.checkpoint_seqs = checkpoint_seqs.data();
+      a.checkpoint_entries = checkpoint_entries.data();
+      a.max_checkpoints = static_cast<int64_t>(checkpoint_entries.size());
+    }
     return a;
+  }
+
+  kda::ref::HostBatch host_batch() const {
+    kda::ref::HostBatch batch;
+    batch.query_start_loc = qsl.data();
+    batch.cache_indices = cache.data();
+    batch.has_initial_state = reinterpret_cast<const bool*>(init.data());
+    batch.num_seqs = static_cast<int64_t>(cache.size());
+    batch.null_line = 0;
+    batch.cache_lines = lines;
+    return batch;
   }
 };
 
@@ -490,7 +509,8 @@ struct Reference {
   std::vector<float> pool;  // (line, head, k, v)
 };
 
-Reference run_reference(const HostBatchData& d) {
+// On `batch` (d's metadata or one with the same rows, e.g. kda::ref::truncated_batch of it).
+Reference run_reference(const HostBatchData& d, const kda::ref::HostBatch& batch) {
   const int64_t P = d.heads * 128, T = d.qsl.back();
   auto plane = [&](const std::vector<uint16_t>& src) {
     return kda::ref::matrix_from_bf16(src.data(), T, P, d.plane_stride);
@@ -503,24 +523,19 @@ Reference run_reference(const HostBatchData& d) {
       for (int kc = 0; kc < 128; ++kc)
         for (int vc = 0; vc < 128; ++vc)
           r.pool[((line * d.heads + h) * 128 + kc) * 128 + vc] = d.pool[d.pool_index(line, h, kc, vc)];
-  kda::ref::HostBatch batch;
-  batch.query_start_loc = d.qsl.data();
-  batch.cache_indices = d.cache.data();
-  batch.has_initial_state = reinterpret_cast<const bool*>(d.init.data());
-  batch.num_seqs = static_cast<int64_t>(d.cache.size());
-  batch.null_line = 0;
-  batch.cache_lines = d.lines;
   r.o = kda::ref::prep_recurrence(plane(d.q), plane(d.k), plane(d.v), plane(d.g1), b,
                                   d.a_log.data(), d.dt_bias.data(), d.lower_bound, batch,
                                   kda::ref::StatePool::contiguous(r.pool.data(), d.heads),
                                   /*round_bf16=*/false);
   return r;
 }
+Reference run_reference(const HostBatchData& d) { return run_reference(d, d.host_batch()); }
 
 // Compares the emulated op with the reference: per processed sequence, the o rows and the
-// final state; everything else must be untouched.
+// final state; everything else must be untouched, except the states of `checkpoint_lines`
+// (which the caller checks).
 void check_against_reference(const HostBatchData& before, const HostBatchData& after,
-                             const Reference& ref) {
+                             const Reference& ref, const std::vector<int>& checkpoint_lines = {}) {
   const int64_t P = before.heads * 128;
   for (size_t s = 0; s + 1 < before.qsl.size(); ++s) {
     const int64_t bos = before.qsl[s], eos = before.qsl[s + 1];
@@ -567,10 +582,85 @@ void check_against_reference(const HostBatchData& before, const HostBatchData& a
       for (int kc = 0; kc < 128; ++kc)
         for (int vc = 0; vc < 128; ++vc) state_element[before.pool_index(before.cache[s], h, kc, vc)] = true;
   }
+  for (int line : checkpoint_lines)
+    for (int64_t h = 0; h < before.heads; ++h)
+      for (int kc = 0; kc < 128; ++kc)
+        for (int vc = 0; vc < 128; ++vc) state_element[before.pool_index(line, h, kc, vc)] = true;
   int64_t pool_changed = 0;
   for (size_t i = 0; i < before.pool.size(); ++i)
     if (!state_element[i] && std::memcmp(&after.pool[i], &before.pool[i], sizeof(float)) != 0) ++pool_changed;
   CHECK(pool_changed == 0);
+}
+
+// One sequence's checkpoints: ends first, first + interval, ... (count of them), into `lines`.
+struct SeqCheckpoints {
+  int seq, first, interval, count;
+  std::vector<int> lines;
+};
+
+// Stages the checkpoint tables as the module does (common/state_checkpoints.h): one
+// CheckpointSeq per sequence, the entries of each sequence consecutive, `spare` unused entries
+// (line -1) at the end of the table.
+void set_checkpoints(HostBatchData& d, const std::vector<SeqCheckpoints>& list, int spare) {
+  d.checkpoint_seqs.assign(d.cache.size(), kda::CheckpointSeq{});
+  d.checkpoint_entries.clear();
+  for (const SeqCheckpoints& c : list) {
+    REQUIRE(static_cast<int>(c.lines.size()) == c.count);
+    d.checkpoint_seqs[c.seq] = {c.first, c.interval, c.count,
+                                static_cast<int32_t>(d.checkpoint_entries.size())};
+    for (int j = 0; j < c.count; ++j)
+      d.checkpoint_entries.push_back({c.lines[j], c.seq, c.first + j * c.interval, 0});
+  }
+  for (int j = 0; j < spare; ++j) d.checkpoint_entries.push_back(kda::CheckpointEntry{});
+}
+
+// Every pool element becomes the NaN pattern of a 0xFF fill except the states of processed
+// sequences that start from one: an element read without cause, or due to be written and not
+// written, shows.
+void poison_pool(HostBatchData& d) {
+  std::vector<bool> keep(d.pool.size(), false);
+  for (size_t s = 0; s + 1 < d.qsl.size(); ++s) {
+    if (d.qsl[s + 1] == d.qsl[s] || d.cache[s] == 0 || !d.init[s]) continue;
+    for (int64_t h = 0; h < d.heads; ++h)
+      for (int kc = 0; kc < 128; ++kc)
+        for (int vc = 0; vc < 128; ++vc) keep[d.pool_index(d.cache[s], h, kc, vc)] = true;
+  }
+  for (size_t i = 0; i < d.pool.size(); ++i)
+    if (!keep[i]) std::memcpy(&d.pool[i], &kda::test::kPoison32, sizeof(float));
+}
+
+// Differing bits between the states (every head) of line `la` of `a` and line `lb` of `b`.
+int64_t state_diff_bits(const HostBatchData& a, int64_t la, const HostBatchData& b, int64_t lb) {
+  int64_t bits = 0;
+  for (int64_t h = 0; h < a.heads; ++h)
+    for (int kc = 0; kc < 128; ++kc)
+      for (int vc = 0; vc < 128; ++vc) {
+        uint32_t x, y;
+        std::memcpy(&x, &a.pool[a.pool_index(la, h, kc, vc)], 4);
+        std::memcpy(&y, &b.pool[b.pool_index(lb, h, kc, vc)], 4);
+        bits += __builtin_popcount(x ^ y);
+      }
+  return bits;
+}
+
+// Differing bits between o rows [r0, r1) (P columns) of a and b.
+int64_t o_diff_bits(const HostBatchData& a, const HostBatchData& b, int64_t r0, int64_t r1) {
+  int64_t bits = 0;
+  for (int64_t t = r0; t < r1; ++t)
+    for (int64_t c = 0; c < a.heads * 128; ++c)
+      bits += __builtin_popcount(static_cast<unsigned>(a.o[t * a.o_stride + c] ^ b.o[t * b.o_stride + c]));
+  return bits;
+}
+
+// d with the metadata of `t` (the same rows, tokens and pool) and no checkpoints.
+HostBatchData with_metadata(const HostBatchData& d, const kda::ref::TruncatedBatch& t) {
+  HostBatchData r = d;
+  r.qsl = t.query_start_loc;
+  r.cache = t.cache_indices;
+  for (size_t s = 0; s < r.init.size(); ++s) r.init[s] = t.has_initial_state[s];
+  r.checkpoint_seqs.clear();
+  r.checkpoint_entries.clear();
+  return r;
 }
 
 }  // namespace
@@ -728,4 +818,107 @@ TEST_CASE("value channels 2^40 apart in magnitude keep their own accuracy (fp16 
   MESSAGE("per value channel, worst relative error: o ", worst_o, ", state ", worst_state);
   CHECK(worst_o < 2e-2);
   CHECK(worst_state < 1e-2);
+}
+
+TEST_CASE("emulated state checkpoints are bitwise the states of runs cut there and continue bitwise") {
+  // Sequence 0: 130 rows from an initial state, checkpoints every 64 rows (64, 128). 1: on the
+  // null line (skipped; the host stages no checkpoints for it). 2: 192 rows from zeros, every
+  // 128 rows from 64 (64 and 192, its last row and a chunk end). 3: 100 rows, one checkpoint
+  // at its last row, inside a chunk. 4: 20 rows from an initial state, none. Two heads, so a
+  // checkpoint line's head offset counts.
+  const std::vector<int> lens = {130, 20, 192, 100, 20};
+  const std::vector<int> lines = {3, 0, 1, 4, 2};
+  const std::vector<int> init = {1, 1, 0, 0, 1};
+  HostBatchData before = make_batch(/*heads=*/2, lens, lines, init, /*pad_tokens=*/7, std::nullopt, 41u);
+  // Lines 0..5 exist (5 named by nobody); 6..10 take the checkpoints, 11 the continuation's,
+  // 12 nobody's.
+  before.lines = 13;
+  before.pool.resize(before.lines * before.line_stride);
+  poison_pool(before);
+  set_checkpoints(before, {{0, 64, 64, 2, {6, 7}}, {2, 64, 128, 2, {8, 9}}, {3, 100, 0, 1, {10}}},
+                  /*spare=*/3);
+  std::vector<int> ck_lines;
+  for (const kda::CheckpointEntry& e : before.checkpoint_entries)
+    if (e.line >= 0) ck_lines.push_back(e.line);
+
+  HostBatchData run = before;
+  emulate_kda_chunked(run.args(), /*late_copies=*/true);
+  // The op itself is unchanged by its checkpoints, and nothing outside the processed lines and
+  // the checkpoint lines is written.
+  check_against_reference(before, run, run_reference(before), ck_lines);
+
+  // (a) Each checkpoint line holds bitwise the final state of the emulated kernels on the batch
+  // cut at the checkpoint (the final state of the same run when the checkpoint is at the last
+  // row); (c) it is within the chunked tolerance of the float64 reference on that cut batch.
+  for (const kda::CheckpointEntry& e : before.checkpoint_entries) {
+    if (e.line < 0) continue;
+    const int64_t rows = before.qsl[e.seq + 1] - before.qsl[e.seq];
+    CAPTURE(e.seq);
+    CAPTURE(e.end);
+    const kda::ref::TruncatedBatch cut = kda::ref::truncated_batch(before.host_batch(), e.seq, e.end);
+    int64_t bits = 0;
+    if (e.end == rows) {
+      bits = state_diff_bits(run, e.line, run, before.cache[e.seq]);
+    } else {
+      HostBatchData alone = with_metadata(before, cut);
+      emulate_kda_chunked(alone.args(), /*late_copies=*/false);
+      bits = state_diff_bits(run, e.line, alone, before.cache[e.seq]);
+    }
+    const Reference ref = run_reference(before, cut.batch);
+    kda::test::RelError err;
+    for (int64_t h = 0; h < before.heads; ++h)
+      for (int kc = 0; kc < 128; ++kc)
+        for (int vc = 0; vc < 128; ++vc)
+          err.add(run.pool[before.pool_index(e.line, h, kc, vc)],
+                  ref.pool[((before.cache[e.seq] * before.heads + h) * 128 + kc) * 128 + vc]);
+    MESSAGE("sequence ", e.seq, ", checkpoint after ", e.end, " of ", rows, " rows: ", bits,
+            " bits differ from the cut run's final state; error vs float64 ", err.value());
+    CHECK(bits == 0);
+    CHECK(err.value() < 5e-3);
+  }
+
+  // (b) Continuing from a checkpoint: sequences 0 and 2 again from their checkpoint after 64
+  // rows (has_initial_state on the checkpoint line), over their remaining rows. The tail is cut
+  // into the same 64-token chunks as the uninterrupted run (checkpoints sit on chunk ends and
+  // chunks start at a sequence's first row), phase 1's record of a chunk depends on the chunk's
+  // tokens alone, and the state it starts from is the very fp32 state the uninterrupted run
+  // carried into that chunk (stored and loaded without rounding): every operation, and so every
+  // o row and the final state, repeats bit for bit. The tail's own checkpoint after 64 rows
+  // (row 128 of sequence 0) likewise matches the uninterrupted run's.
+  HostBatchData tail = run;
+  const int32_t a0 = before.qsl[0] + 64, a1 = before.qsl[1];
+  const int32_t b0 = before.qsl[2] + 64, b1 = before.qsl[3];
+  // Entries: rows [0, a0) unowned (null line), sequence 0's tail, [a1, b0) unowned, sequence
+  // 2's tail.
+  tail.qsl = {0, a0, a1, b0, b1};
+  tail.cache = {0, 6, 0, 8};
+  tail.init = {0, 1, 0, 1};
+  set_checkpoints(tail, {{1, 64, 0, 1, {11}}}, /*spare=*/1);
+  std::fill(tail.o.begin(), tail.o.end(), kda::test::kPoison16);
+  emulate_kda_chunked(tail.args(), /*late_copies=*/false);
+  const int64_t o_bits = o_diff_bits(tail, run, a0, a1) + o_diff_bits(tail, run, b0, b1);
+  const int64_t state_bits = state_diff_bits(tail, 6, run, 3) + state_diff_bits(tail, 8, run, 1);
+  const int64_t ck_bits = state_diff_bits(tail, 11, run, 7);
+  MESSAGE("continued from checkpoints: ", o_bits, " o bits, ", state_bits,
+          " final-state bits and ", ck_bits, " checkpoint bits differ from the uninterrupted run");
+  CHECK(o_bits == 0);
+  CHECK(state_bits == 0);
+  CHECK(ck_bits == 0);
+  // The tail run writes its o rows, lines 6, 8 and 11, nothing else.
+  int64_t o_changed = 0, pool_changed = 0;
+  for (int64_t t = 0; t < before.tokens; ++t)
+    for (int64_t c = 0; c < before.o_stride; ++c) {
+      const bool tail_row = (t >= a0 && t < a1) || (t >= b0 && t < b1);
+      if ((!tail_row || c >= before.heads * 128) && tail.o[t * before.o_stride + c] != kda::test::kPoison16)
+        ++o_changed;
+    }
+  std::vector<bool> written(before.pool.size(), false);
+  for (int line : {6, 8, 11})
+    for (int64_t h = 0; h < before.heads; ++h)
+      for (int kc = 0; kc < 128; ++kc)
+        for (int vc = 0; vc < 128; ++vc) written[before.pool_index(line, h, kc, vc)] = true;
+  for (size_t i = 0; i < before.pool.size(); ++i)
+    if (!written[i] && std::memcmp(&tail.pool[i], &run.pool[i], sizeof(float)) != 0) ++pool_changed;
+  CHECK(o_changed == 0);
+  CHECK(pool_changed == 0);
 }

@@ -254,7 +254,9 @@ struct Problem {
     kda::ref::Matrix o;
     std::vector<float> pool;
   };
-  Reference reference() const {
+  Reference reference() const { return reference(batch.host()); }
+  // On other metadata over the same rows (e.g. kda::ref::truncated_batch of batch.host()).
+  Reference reference(const kda::ref::HostBatch& host_batch) const {
     using kda::ref::matrix_from_bf16;
     Reference r;
     r.pool = pool0;
@@ -263,7 +265,7 @@ struct Problem {
         matrix_from_bf16(q.data(), bucket, part, qkv_stride), matrix_from_bf16(k.data(), bucket, part, qkv_stride),
         matrix_from_bf16(v.data(), bucket, part, qkv_stride), matrix_from_bf16(g1.data(), bucket, part, g1_stride),
         matrix_from_bf16(b.data() + b_offset, bucket, heads, b_stride), a_log.data(), dt_bias.data(),
-        lower_bound, batch.host(), sp, /*round_bf16=*/false);
+        lower_bound, host_batch, sp, /*round_bf16=*/false);
     return r;
   }
 };
@@ -275,10 +277,12 @@ struct Worst {
 // Per processed sequence: o rows and final state of `got` against `want_o` / `want_pool`
 // within the tolerances. Everything else must be untouched: o rows of no processed sequence
 // and o's padding columns keep their NaN poison, pool elements outside the processed lines'
-// states (other lines, the holes of a strided layout) are bit-identical to the start.
+// states (other lines, the holes of a strided layout) are bit-identical to the start, except
+// the states of `checkpoint_lines` (which the caller checks).
 template <typename OAt>
 Worst check_against(const Problem& pr, const Problem::Result& got, OAt want_o,
-                    const std::vector<float>& want_pool, double o_tol, double state_tol) {
+                    const std::vector<float>& want_pool, double o_tol, double state_tol,
+                    const std::vector<int64_t>& checkpoint_lines = {}) {
   Worst worst;
   const Batch& tb = pr.batch;
   std::vector<char> row_written(static_cast<size_t>(pr.bucket), 0);
@@ -319,6 +323,12 @@ Worst check_against(const Problem& pr, const Problem::Result& got, OAt want_o,
     CHECK(state_err <= state_tol);
     worst.state = std::max(worst.state, state_err);
   }
+  for (int64_t line : checkpoint_lines)
+    for (int64_t h = 0; h < pr.heads; ++h)
+      for (int64_t i = 0; i < kD; ++i)
+        for (int64_t j = 0; j < kD; ++j)
+          state_written[static_cast<size_t>(line * pr.layout.line + h * pr.layout.head +
+                                            i * pr.layout.k + j * pr.layout.v)] = 1;
   int64_t o_changed = 0;
   for (int64_t r = 0; r < pr.bucket; ++r)
     for (int64_t c = 0; c < pr.o_stride; ++c)
@@ -333,17 +343,20 @@ Worst check_against(const Problem& pr, const Problem::Result& got, OAt want_o,
   return worst;
 }
 
-Worst check_reference(const Problem& pr, const Problem::Result& got, const Problem::Reference& ref) {
-  return check_against(pr, got, [&](int64_t r, int64_t c) { return ref.o.at(r, c); }, ref.pool, 1e-2, 5e-3);
+Worst check_reference(const Problem& pr, const Problem::Result& got, const Problem::Reference& ref,
+                      const std::vector<int64_t>& checkpoint_lines = {}) {
+  return check_against(pr, got, [&](int64_t r, int64_t c) { return ref.o.at(r, c); }, ref.pool, 1e-2, 5e-3,
+                       checkpoint_lines);
 }
 
 // The token-by-token kernel is itself within bf16 rounding of the reference, so the two GPU
 // results must agree to the chunked kernel's tolerances as well.
-Worst check_simple(const Problem& pr, const Problem::Result& got, const Problem::Result& simple) {
+Worst check_simple(const Problem& pr, const Problem::Result& got, const Problem::Result& simple,
+                   const std::vector<int64_t>& checkpoint_lines = {}) {
   return check_against(
       pr, got,
       [&](int64_t r, int64_t c) { return kda::ref::bf16_value(simple.o[static_cast<size_t>(r * pr.o_stride + c)]); },
-      simple.pool, 1e-2, 5e-3);
+      simple.pool, 1e-2, 5e-3, checkpoint_lines);
 }
 
 std::string describe(const char* what, int64_t heads, const std::optional<double>& bound,
@@ -353,6 +366,115 @@ std::string describe(const char* what, int64_t heads, const std::optional<double
      << layout.name << ": worst relative error vs float64 o " << ref.o << ", state " << ref.state
      << "; vs kda_prep_recurrence o " << simple.o << ", state " << simple.state;
   return os.str();
+}
+
+// Batch metadata of max_seqs entries and optional checkpoint tables on the device: a Problem's
+// inputs run on other metadata of the same capacity (a batch cut at a checkpoint, the
+// continuation from checkpoints) or with checkpoints.
+struct DeviceMeta {
+  int64_t max_seqs = 0, max_checkpoints = 0;
+  DeviceBuffer qsl, lines, initial, ck_seqs, ck_entries;
+
+  DeviceMeta(const std::vector<int32_t>& q, const std::vector<int32_t>& l, const bool* init,
+             const std::vector<kda::CheckpointSeq>& seqs = {},
+             const std::vector<kda::CheckpointEntry>& entries = {})
+      : max_seqs(static_cast<int64_t>(l.size())), max_checkpoints(static_cast<int64_t>(entries.size())) {
+    REQUIRE(q.size() == l.size() + 1);
+    qsl = to_device(q);
+    lines = to_device(l);
+    initial = DeviceBuffer(l.size());
+    initial.upload(init, l.size());
+    if (!seqs.empty()) {
+      REQUIRE(seqs.size() == l.size());
+      ck_seqs = to_device(seqs);
+      ck_entries = to_device(entries);
+    }
+  }
+  explicit DeviceMeta(const kda::ref::TruncatedBatch& t)
+      : DeviceMeta(t.query_start_loc, t.cache_indices, t.has_initial_state.get()) {}
+
+  kda::PrepRecurrenceArgs apply(kda::PrepRecurrenceArgs a) const {
+    a.max_seqs = max_seqs;
+    a.query_start_loc = qsl.as<int32_t>();
+    a.cache_indices = lines.as<int32_t>();
+    a.has_initial_state = initial.as<bool>();
+    if (max_checkpoints > 0) {
+      a.checkpoint_seqs = ck_seqs.as<kda::CheckpointSeq>();
+      a.checkpoint_entries = ck_entries.as<kda::CheckpointEntry>();
+      a.max_checkpoints = max_checkpoints;
+    }
+    return a;
+  }
+};
+
+// One launch of kda_chunked (or kda_prep_recurrence) on `meta`, from `pool`, with o and the
+// workspace poisoned.
+Problem::Result run_on(Problem& pr, const DeviceMeta& meta, const std::vector<float>& pool, bool chunked) {
+  pr.d_o.fill_bytes(0xFF);
+  pr.d_work.fill_bytes(0xFF);
+  pr.d_pool.upload(pool);
+  const kda::PrepRecurrenceArgs a = meta.apply(pr.args());
+  if (chunked) kda::kda_chunked(a, pr.d_work.get(), pr.d_work.bytes(), nullptr);
+  else kda::kda_prep_recurrence(a, nullptr);
+  kda::test::device_synchronize();
+  return pr.result();
+}
+
+// The states (every head, (head, k, v) order) of pool line `line`.
+std::vector<float> line_states(const Problem& pr, const std::vector<float>& pool, int64_t line) {
+  std::vector<float> out;
+  for (int64_t h = 0; h < pr.heads; ++h)
+    for (int64_t i = 0; i < kD; ++i)
+      for (int64_t j = 0; j < kD; ++j)
+        out.push_back(pool[static_cast<size_t>(line * pr.layout.line + h * pr.layout.head + i * pr.layout.k +
+                                               j * pr.layout.v)]);
+  return out;
+}
+int64_t state_diff_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  return kda::test::diff_bits(a.data(), b.data(), a.size() * sizeof(float));
+}
+double state_rel_error(const std::vector<float>& got, const std::vector<float>& want) {
+  return rel_frobenius(std::vector<double>(got.begin(), got.end()), std::vector<double>(want.begin(), want.end()));
+}
+
+// Differing bits of o rows [r0, r1) (P columns) between two results.
+int64_t o_diff_bits(const Problem& pr, const Problem::Result& a, const Problem::Result& b, int64_t r0, int64_t r1) {
+  int64_t bits = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    bits += kda::test::diff_bits(a.o.data() + r * pr.o_stride, b.o.data() + r * pr.o_stride, pr.part * 2);
+  return bits;
+}
+
+// Pool lines that no sequence of `batch` names (not the null line), in order.
+std::vector<int32_t> unnamed_lines(const Batch& batch) {
+  std::vector<int32_t> out;
+  for (int32_t l = 0; l < batch.cache_lines; ++l)
+    if (l != batch.null_line && std::find(batch.lines.begin(), batch.lines.end(), l) == batch.lines.end())
+      out.push_back(l);
+  return out;
+}
+
+// One sequence's checkpoints: ends first, first + interval, ... (count of them).
+struct CheckpointSpec {
+  int32_t seq, first, interval, count;
+};
+
+// The tables of `specs` as the module stages them (common/state_checkpoints.h), lines taken
+// from `free_lines` in turn, `spare` unused entries (line -1) at the end.
+void stage_checkpoints(const std::vector<CheckpointSpec>& specs, int64_t max_seqs, std::vector<int32_t>& free_lines,
+                       int spare, std::vector<kda::CheckpointSeq>& seqs, std::vector<kda::CheckpointEntry>& entries) {
+  seqs.assign(static_cast<size_t>(max_seqs), kda::CheckpointSeq{});
+  entries.clear();
+  for (const CheckpointSpec& c : specs) {
+    seqs[static_cast<size_t>(c.seq)] = {c.first, c.interval, c.count, static_cast<int32_t>(entries.size())};
+    for (int32_t j = 0; j < c.count; ++j) {
+      REQUIRE(!free_lines.empty());
+      entries.push_back({free_lines.front(), c.seq, c.first + j * c.interval, 0});
+      free_lines.erase(free_lines.begin());
+    }
+  }
+  for (int j = 0; j < spare; ++j) entries.push_back(kda::CheckpointEntry{});
 }
 
 }  // namespace
@@ -503,4 +625,176 @@ TEST_CASE("kda_chunked with bad arguments or workspace throws and enqueues nothi
   const Problem::Result after = pr.result();
   CHECK(std::count(after.o.begin(), after.o.end(), kPoison16) == static_cast<std::ptrdiff_t>(after.o.size()));
   CHECK(kda::test::diff_bits(after.pool.data(), pr.pool0.data(), after.pool.size() * 4) == 0);
+}
+
+TEST_CASE("kda_chunked state checkpoints are bitwise the states of runs cut there and continue bitwise") {
+  // Sequence 0 from an initial state with checkpoints every 64 rows; 1 on the null line; 2
+  // from zeros every 128 rows up to its last row; 3 empty; 4 one checkpoint at its last row,
+  // inside a chunk; 5 outside the pool; 6 none; 7 one checkpoint 8 rows before its end.
+  const bool quick = quick_mode();
+  const int32_t len0 = quick ? 140 : 300, len2 = quick ? 384 : 1024;
+  const std::vector<Seq> seqs = {{len0, Kind::Live, true}, {20, Kind::NullLine, true}, {len2, Kind::Live, false},
+                                 {0, Kind::Live, true},    {130, Kind::Live, false},   {9, Kind::OutsidePool, true},
+                                 {65, Kind::Live, true},   {200, Kind::Live, true}};
+  const std::vector<CheckpointSpec> specs = {
+      {0, 64, 64, len0 / 64}, {2, 128, 128, len2 / 128}, {4, 130, 0, 1}, {7, 192, 0, 1}};
+  struct Config {
+    int64_t heads;
+    std::optional<double> bound;
+    bool transposed;
+  };
+  std::vector<Config> configs = {{2, std::nullopt, false}};
+  if (!quick) configs.push_back({12, -5.0, true});
+  for (const Config& cfg : configs) {
+    const PoolLayout layout = cfg.transposed ? transposed_with_gaps(cfg.heads) : contiguous(cfg.heads);
+    CAPTURE(cfg.heads);
+    CAPTURE(layout.name);
+    std::mt19937_64 rng(4000 + cfg.heads);
+    Batch batch(seqs, /*padding=*/2, /*pool_lines=*/static_cast<int64_t>(seqs.size()) + 24, rng);
+    Problem pr(cfg.heads, cfg.bound, layout, batch, rng, /*padded=*/cfg.transposed, /*centred_keys=*/cfg.transposed);
+    std::vector<int32_t> free_lines = unnamed_lines(batch);
+    std::shuffle(free_lines.begin(), free_lines.end(), rng);
+    std::vector<kda::CheckpointSeq> ck_seqs;
+    std::vector<kda::CheckpointEntry> ck_entries;
+    stage_checkpoints(specs, batch.max_seqs, free_lines, /*spare=*/5, ck_seqs, ck_entries);
+    std::vector<int64_t> ck_lines;
+    for (const kda::CheckpointEntry& e : ck_entries)
+      if (e.line >= 0) ck_lines.push_back(e.line);
+    // Checkpoint lines start as NaN: an element left unwritten shows.
+    for (int64_t line : ck_lines)
+      for (int64_t h = 0; h < pr.heads; ++h)
+        for (int64_t i = 0; i < kD; ++i)
+          for (int64_t j = 0; j < kD; ++j)
+            pr.pool0[static_cast<size_t>(line * layout.line + h * layout.head + i * layout.k + j * layout.v)] =
+                std::numeric_limits<float>::quiet_NaN();
+
+    const DeviceMeta with_checkpoints(batch.qsl, batch.lines, batch.initial.get(), ck_seqs, ck_entries);
+    const Problem::Result got = run_on(pr, with_checkpoints, pr.pool0, /*chunked=*/true);
+    const Problem::Result simple = run_on(pr, with_checkpoints, pr.pool0, /*chunked=*/false);
+    // The op is unchanged by its checkpoints; nothing outside the processed and the checkpoint
+    // lines is written (by either kernel).
+    const Worst vs_ref = check_reference(pr, got, pr.reference(), ck_lines);
+    const Worst vs_simple = check_simple(pr, got, simple, ck_lines);
+    MESSAGE(describe("with checkpoints", cfg.heads, cfg.bound, layout, vs_ref, vs_simple));
+
+    // Each checkpoint: bitwise the final state of kda_chunked on the batch cut there (of the
+    // same run when it sits at the last row), within the chunked tolerance of the float64
+    // reference on the cut batch and of kda_prep_recurrence's checkpoint.
+    int64_t worst_bits = 0;
+    double worst_ref = 0, worst_simple = 0;
+    for (const kda::CheckpointEntry& e : ck_entries) {
+      if (e.line < 0) continue;
+      const size_t s = static_cast<size_t>(e.seq);
+      const int64_t rows = batch.qsl[s + 1] - batch.qsl[s], line = batch.lines[s];
+      CAPTURE(e.seq);
+      CAPTURE(e.end);
+      const std::vector<float> ck = line_states(pr, got.pool, e.line);
+      const kda::ref::TruncatedBatch cut = kda::ref::truncated_batch(batch.host(), e.seq, e.end);
+      std::vector<float> want;
+      if (e.end == rows) {
+        want = line_states(pr, got.pool, line);
+      } else {
+        want = line_states(pr, run_on(pr, DeviceMeta(cut), pr.pool0, /*chunked=*/true).pool, line);
+      }
+      const int64_t bits = state_diff_bits(ck, want);
+      const double ref_err = state_rel_error(ck, line_states(pr, pr.reference(cut.batch).pool, line));
+      const double simple_err = state_rel_error(ck, line_states(pr, simple.pool, e.line));
+      CHECK(bits == 0);
+      CHECK(ref_err <= 5e-3);
+      CHECK(simple_err <= 5e-3);
+      worst_bits = std::max(worst_bits, bits);
+      worst_ref = std::max(worst_ref, ref_err);
+      worst_simple = std::max(worst_simple, simple_err);
+    }
+    MESSAGE(ck_lines.size(), " checkpoints: at most ", worst_bits,
+            " bits differ from the cut runs' final states; worst relative error vs float64 ", worst_ref,
+            ", vs kda_prep_recurrence's checkpoints ", worst_simple);
+
+    // Continuing from checkpoints: sequence 0 after 128 rows, 2 after 256 (with checkpoints of
+    // its own every 256 rows of the tail from 128) and 7 after 192, each over its remaining rows
+    // from the checkpoint line (has_initial_state). The tail is cut into the same 64-token chunks
+    // as the uninterrupted run (checkpoints sit on chunk ends, chunks start at a sequence's first
+    // row), a chunk's phase-1 record depends on its tokens alone, and the state the tail starts
+    // from is the fp32 state the uninterrupted run carried into that chunk, stored and loaded
+    // without rounding: o rows, final states and the tail's checkpoints repeat bit for bit.
+    struct Continue {
+      int32_t seq, from;
+    };
+    const std::vector<Continue> cont = {{0, 128}, {2, 256}, {7, 192}};
+    auto checkpoint_line = [&](int32_t seq, int32_t end) {
+      for (const kda::CheckpointEntry& e : ck_entries)
+        if (e.line >= 0 && e.seq == seq && e.end == end) return e.line;
+      FAIL("no checkpoint of sequence " << seq << " at " << end);
+      return int32_t{-1};
+    };
+    // Entries: rows before each tail unowned (null line), then the tail; padded to max_seqs.
+    std::vector<int32_t> tqsl = {0}, tlines;
+    std::unique_ptr<bool[]> tinit(new bool[static_cast<size_t>(batch.max_seqs)]);
+    std::vector<std::pair<int64_t, int64_t>> tail_rows;  // [r0, r1) per continued sequence
+    for (const Continue& c : cont) {
+      const int32_t r0 = batch.qsl[static_cast<size_t>(c.seq)] + c.from, r1 = batch.qsl[static_cast<size_t>(c.seq) + 1];
+      tinit[tlines.size()] = false;
+      tlines.push_back(batch.null_line);
+      tqsl.push_back(r0);
+      tinit[tlines.size()] = true;
+      tlines.push_back(checkpoint_line(c.seq, c.from));
+      tqsl.push_back(r1);
+      tail_rows.emplace_back(r0, r1);
+    }
+    const int32_t tail2 = 3;  // the entry of sequence 2's tail
+    REQUIRE(static_cast<int64_t>(tlines.size()) <= batch.max_seqs);
+    while (static_cast<int64_t>(tlines.size()) < batch.max_seqs) {
+      tinit[tlines.size()] = false;
+      tlines.push_back(batch.null_line);
+      tqsl.push_back(tqsl.back());
+    }
+    std::vector<kda::CheckpointSeq> tseqs;
+    std::vector<kda::CheckpointEntry> tentries;
+    const int32_t tail2_rows = len2 - 256;
+    stage_checkpoints({{tail2, 128, 256, (tail2_rows - 128) / 256 + 1}}, batch.max_seqs, free_lines, 1, tseqs,
+                      tentries);
+    const Problem::Result tail =
+        run_on(pr, DeviceMeta(tqsl, tlines, tinit.get(), tseqs, tentries), got.pool, /*chunked=*/true);
+    int64_t o_bits = 0, state_bits = 0, ck_bits = 0;
+    for (size_t i = 0; i < cont.size(); ++i) {
+      o_bits += o_diff_bits(pr, tail, got, tail_rows[i].first, tail_rows[i].second);
+      state_bits += state_diff_bits(line_states(pr, tail.pool, checkpoint_line(cont[i].seq, cont[i].from)),
+                                    line_states(pr, got.pool, batch.lines[static_cast<size_t>(cont[i].seq)]));
+    }
+    for (const kda::CheckpointEntry& e : tentries)
+      if (e.line >= 0)
+        ck_bits += state_diff_bits(line_states(pr, tail.pool, e.line),
+                                   line_states(pr, got.pool, checkpoint_line(2, 256 + e.end)));
+    MESSAGE("continued from checkpoints: ", o_bits, " o bits, ", state_bits, " final-state bits and ", ck_bits,
+            " checkpoint bits differ from the uninterrupted run");
+    CHECK(o_bits == 0);
+    CHECK(state_bits == 0);
+    CHECK(ck_bits == 0);
+    // Nothing else changes: o rows outside the tails stay poisoned, pool elements outside the
+    // tails' lines and the tail's checkpoint lines keep the uninterrupted run's values.
+    std::vector<char> row_written(static_cast<size_t>(pr.bucket), 0);
+    for (const auto& [r0, r1] : tail_rows)
+      for (int64_t r = r0; r < r1; ++r) row_written[static_cast<size_t>(r)] = 1;
+    int64_t o_changed = 0;
+    for (int64_t r = 0; r < pr.bucket; ++r)
+      for (int64_t c = 0; c < pr.o_stride; ++c)
+        if ((!row_written[static_cast<size_t>(r)] || c >= pr.part) &&
+            tail.o[static_cast<size_t>(r * pr.o_stride + c)] != kPoison16)
+          ++o_changed;
+    std::vector<char> state_written(tail.pool.size(), 0);
+    std::vector<int64_t> tail_lines;
+    for (const Continue& c : cont) tail_lines.push_back(checkpoint_line(c.seq, c.from));
+    for (const kda::CheckpointEntry& e : tentries)
+      if (e.line >= 0) tail_lines.push_back(e.line);
+    for (int64_t line : tail_lines)
+      for (int64_t h = 0; h < pr.heads; ++h)
+        for (int64_t i = 0; i < kD; ++i)
+          for (int64_t j = 0; j < kD; ++j)
+            state_written[static_cast<size_t>(line * layout.line + h * layout.head + i * layout.k + j * layout.v)] = 1;
+    int64_t pool_changed = 0;
+    for (size_t i = 0; i < tail.pool.size(); ++i)
+      if (!state_written[i] && std::memcmp(&tail.pool[i], &got.pool[i], sizeof(float)) != 0) ++pool_changed;
+    CHECK(o_changed == 0);
+    CHECK(pool_changed == 0);
+  }
 }

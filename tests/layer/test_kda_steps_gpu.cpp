@@ -237,7 +237,9 @@ struct RecurrenceProblem {
     kda::ref::Matrix o;
     std::vector<float> pool;
   };
-  Reference reference() const {
+  Reference reference() const { return reference(batch.host()); }
+  // On other metadata over the same rows (e.g. kda::ref::truncated_batch of batch.host()).
+  Reference reference(const kda::ref::HostBatch& host_batch) const {
     using kda::ref::matrix_from_bf16;
     Reference r;
     r.pool = pool0;
@@ -248,7 +250,7 @@ struct RecurrenceProblem {
         matrix_from_bf16(v.data(), bucket, part, qkv_stride),
         matrix_from_bf16(g1.data(), bucket, part, g1_stride),
         matrix_from_bf16(b.data() + b_offset, bucket, heads, b_stride), a_log.data(),
-        dt_bias.data(), lower_bound, batch.host(), sp, /*round_bf16=*/false);
+        dt_bias.data(), lower_bound, host_batch, sp, /*round_bf16=*/false);
     return r;
   }
 };
@@ -257,10 +259,12 @@ struct WorstErrors {
   double o = 0, state = 0;
 };
 
-// Checks one run's o and pool against the reference, and that nothing else was written.
-// Returns the worst per-sequence relative errors.
+// Checks one run's o and pool against the reference, and that nothing else was written
+// (except the states of `checkpoint_lines`, which the caller checks). Returns the worst
+// per-sequence relative errors.
 WorstErrors check_recurrence(const RecurrenceProblem& pr, const RecurrenceProblem::Reference& ref,
-                             const std::vector<uint16_t>& o, const std::vector<float>& pool) {
+                             const std::vector<uint16_t>& o, const std::vector<float>& pool,
+                             const std::vector<int64_t>& checkpoint_lines = {}) {
   WorstErrors worst;
   const TestBatch& tb = pr.batch;
   std::vector<char> row_written(static_cast<size_t>(pr.bucket), 0);
@@ -301,6 +305,12 @@ WorstErrors check_recurrence(const RecurrenceProblem& pr, const RecurrenceProble
     CHECK(state_err <= 5e-3);
     worst.state = std::max(worst.state, state_err);
   }
+  for (int64_t line : checkpoint_lines)
+    for (int64_t h = 0; h < pr.heads; ++h)
+      for (int64_t i = 0; i < kD; ++i)
+        for (int64_t j = 0; j < kD; ++j)
+          state_written[static_cast<size_t>(line * pr.layout.line + h * pr.layout.head +
+                                            i * pr.layout.k + j * pr.layout.v)] = 1;
   // o: rows of no processed sequence and the padding columns of every row stay poisoned.
   int64_t o_changed = 0;
   for (int64_t r = 0; r < pr.bucket; ++r)
@@ -315,6 +325,74 @@ WorstErrors check_recurrence(const RecurrenceProblem& pr, const RecurrenceProble
     if (!state_written[i] && std::memcmp(&pool[i], &pr.pool0[i], sizeof(float)) != 0) ++pool_changed;
   CHECK(pool_changed == 0);
   return worst;
+}
+
+// Batch metadata of max_seqs entries and optional checkpoint tables on the device: a
+// problem's inputs run on other metadata of the same capacity (a batch cut at a checkpoint,
+// the continuation from checkpoints) or with checkpoints.
+struct DeviceMeta {
+  int64_t max_seqs = 0, max_checkpoints = 0;
+  DeviceBuffer qsl, lines, initial, ck_seqs, ck_entries;
+
+  DeviceMeta(const std::vector<int32_t>& q, const std::vector<int32_t>& l, const bool* init,
+             const std::vector<kda::CheckpointSeq>& seqs = {},
+             const std::vector<kda::CheckpointEntry>& entries = {})
+      : max_seqs(static_cast<int64_t>(l.size())), max_checkpoints(static_cast<int64_t>(entries.size())) {
+    REQUIRE(q.size() == l.size() + 1);
+    qsl = to_device(q);
+    lines = to_device(l);
+    initial = DeviceBuffer(l.size());
+    initial.upload(init, l.size());
+    if (!seqs.empty()) {
+      REQUIRE(seqs.size() == l.size());
+      ck_seqs = to_device(seqs);
+      ck_entries = to_device(entries);
+    }
+  }
+  explicit DeviceMeta(const kda::ref::TruncatedBatch& t)
+      : DeviceMeta(t.query_start_loc, t.cache_indices, t.has_initial_state.get()) {}
+
+  kda::PrepRecurrenceArgs apply(kda::PrepRecurrenceArgs a) const {
+    a.max_seqs = max_seqs;
+    a.query_start_loc = qsl.as<int32_t>();
+    a.cache_indices = lines.as<int32_t>();
+    a.has_initial_state = initial.as<bool>();
+    if (max_checkpoints > 0) {
+      a.checkpoint_seqs = ck_seqs.as<kda::CheckpointSeq>();
+      a.checkpoint_entries = ck_entries.as<kda::CheckpointEntry>();
+      a.max_checkpoints = max_checkpoints;
+    }
+    return a;
+  }
+};
+
+struct RunResult {
+  std::vector<uint16_t> o;
+  std::vector<float> pool;
+};
+
+// One kda_prep_recurrence launch on `meta` from `pool`, o poisoned.
+RunResult run_on(RecurrenceProblem& pr, const DeviceMeta& meta, const std::vector<float>& pool) {
+  pr.d_o.fill_bytes(0xFF);
+  pr.d_pool.upload(pool);
+  kda::kda_prep_recurrence(meta.apply(pr.args()), nullptr);
+  kda::test::device_synchronize();
+  return {download<uint16_t>(pr.d_o), download<float>(pr.d_pool)};
+}
+
+// The states (every head, (head, k, v) order) of pool line `line`.
+std::vector<float> line_states(const RecurrenceProblem& pr, const std::vector<float>& pool, int64_t line) {
+  std::vector<float> out;
+  for (int64_t h = 0; h < pr.heads; ++h)
+    for (int64_t i = 0; i < kD; ++i)
+      for (int64_t j = 0; j < kD; ++j)
+        out.push_back(pool[static_cast<size_t>(line * pr.layout.line + h * pr.layout.head + i * pr.layout.k +
+                                               j * pr.layout.v)]);
+  return out;
+}
+int64_t state_diff_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  return kda::test::diff_bits(a.data(), b.data(), a.size() * sizeof(float));
 }
 
 }  // namespace
@@ -412,6 +490,142 @@ TEST_CASE("kda_prep_recurrence with bad arguments throws and enqueues nothing") 
   CHECK(std::count(o.begin(), o.end(), kPoison16) == static_cast<std::ptrdiff_t>(o.size()));
   const auto pool = download<float>(pr.d_pool);
   CHECK(kda::test::diff_bits(pool.data(), pr.pool0.data(), pool.size() * 4) == 0);
+}
+
+TEST_CASE("kda_prep_recurrence state checkpoints are bitwise the states of runs cut there and continue bitwise") {
+  // Checkpoint ends are multiples of 64 rows or a sequence's last row: ends of the kernel's
+  // 16-token stages, where the update left pending by the stage's last token has just been
+  // applied, so a checkpoint is the exact state of a run cut there. Sequence 0 (initial state)
+  // every 64 rows; 1 on the null line; 2 (from zeros) every 128 rows up to its last row; 3
+  // empty; 4 at its last row, inside a 64-row block; 5 outside the pool; 6 none.
+  const bool quick = quick_mode();
+  const int32_t len0 = quick ? 140 : 330, len2 = quick ? 256 : 768;
+  const std::vector<SeqSpec> seqs = {{len0, SeqKind::Live, true}, {20, SeqKind::NullLine, true},
+                                     {len2, SeqKind::Live, false}, {0, SeqKind::Live, true},
+                                     {77, SeqKind::Live, false},   {7, SeqKind::OutsidePool, true},
+                                     {33, SeqKind::Live, true}};
+  struct Spec {
+    int32_t seq, first, interval, count;
+  };
+  const std::vector<Spec> specs = {{0, 64, 64, len0 / 64}, {2, 128, 128, len2 / 128}, {4, 77, 0, 1}};
+  std::mt19937_64 rng(1500);
+  const int64_t heads = 3;
+  TestBatch batch(seqs, /*padding=*/2, /*pool_lines=*/static_cast<int64_t>(seqs.size()) + 20, /*null=*/0, rng);
+  RecurrenceProblem pr(heads, std::nullopt, transposed_layout(heads), batch, rng, /*padded_strides=*/true);
+  const PoolLayout& layout = pr.layout;
+  std::vector<int32_t> free_lines;
+  for (int32_t l = 1; l < batch.cache_lines; ++l)
+    if (std::find(batch.lines.begin(), batch.lines.end(), l) == batch.lines.end()) free_lines.push_back(l);
+  std::shuffle(free_lines.begin(), free_lines.end(), rng);
+  auto take_line = [&] {
+    REQUIRE(!free_lines.empty());
+    const int32_t l = free_lines.back();
+    free_lines.pop_back();
+    return l;
+  };
+  std::vector<kda::CheckpointSeq> ck_seqs(static_cast<size_t>(batch.max_seqs));
+  std::vector<kda::CheckpointEntry> ck_entries;
+  for (const Spec& c : specs) {
+    ck_seqs[static_cast<size_t>(c.seq)] = {c.first, c.interval, c.count, static_cast<int32_t>(ck_entries.size())};
+    for (int32_t j = 0; j < c.count; ++j) ck_entries.push_back({take_line(), c.seq, c.first + j * c.interval, 0});
+  }
+  ck_entries.resize(ck_entries.size() + 4);  // unused entries (line -1)
+  std::vector<int64_t> ck_lines;
+  for (const kda::CheckpointEntry& e : ck_entries)
+    if (e.line >= 0) ck_lines.push_back(e.line);
+  for (int64_t line : ck_lines)  // NaN: an element left unwritten shows
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < kD; ++i)
+        for (int64_t j = 0; j < kD; ++j)
+          pr.pool0[static_cast<size_t>(line * layout.line + h * layout.head + i * layout.k + j * layout.v)] =
+              std::numeric_limits<float>::quiet_NaN();
+
+  const RunResult got =
+      run_on(pr, DeviceMeta(batch.qsl, batch.lines, batch.initial.get(), ck_seqs, ck_entries), pr.pool0);
+  const WorstErrors worst = check_recurrence(pr, pr.reference(), got.o, got.pool, ck_lines);
+  MESSAGE("with checkpoints: worst relative error o ", worst.o, ", final state ", worst.state);
+
+  // Each checkpoint: bitwise the final state of a run on the batch cut there (of this run at
+  // the last row), and within bf16-level error of the float64 reference on the cut batch.
+  int64_t worst_bits = 0;
+  double worst_ref = 0;
+  auto checkpoint_line = [&](int32_t seq, int32_t end) {
+    for (const kda::CheckpointEntry& e : ck_entries)
+      if (e.line >= 0 && e.seq == seq && e.end == end) return e.line;
+    FAIL("no checkpoint of sequence " << seq << " at " << end);
+    return int32_t{-1};
+  };
+  for (const kda::CheckpointEntry& e : ck_entries) {
+    if (e.line < 0) continue;
+    const size_t s = static_cast<size_t>(e.seq);
+    const int64_t rows = batch.qsl[s + 1] - batch.qsl[s], line = batch.lines[s];
+    CAPTURE(e.seq);
+    CAPTURE(e.end);
+    const std::vector<float> ck = line_states(pr, got.pool, e.line);
+    const kda::ref::TruncatedBatch cut = kda::ref::truncated_batch(batch.host(), e.seq, e.end);
+    const std::vector<float> want =
+        e.end == rows ? line_states(pr, got.pool, line) : line_states(pr, run_on(pr, DeviceMeta(cut), pr.pool0).pool, line);
+    const int64_t bits = state_diff_bits(ck, want);
+    const std::vector<float> ref = line_states(pr, pr.reference(cut.batch).pool, line);
+    const double err = rel_frobenius(std::vector<double>(ck.begin(), ck.end()), std::vector<double>(ref.begin(), ref.end()));
+    CHECK(bits == 0);
+    CHECK(err <= 5e-3);
+    worst_bits = std::max(worst_bits, bits);
+    worst_ref = std::max(worst_ref, err);
+  }
+  MESSAGE(ck_lines.size(), " checkpoints: at most ", worst_bits,
+          " bits differ from the cut runs' final states; worst relative error vs float64 ", worst_ref);
+
+  // Continuing from a checkpoint: sequence 0 after 128 rows and 2 after 128 (with a checkpoint
+  // of its own after 128 rows of the tail), from the checkpoint lines. The tail's stages are the
+  // uninterrupted run's (128 is a multiple of 16), each stage starts with no update pending in
+  // either run, and the tail starts from the fp32 state the uninterrupted run had there, stored
+  // and loaded exactly: every o row, final state and the tail's checkpoint repeat bit for bit.
+  const int32_t a0 = batch.qsl[0] + 128, a1 = batch.qsl[1], b0 = batch.qsl[2] + 128, b1 = batch.qsl[3];
+  std::vector<int32_t> tqsl = {0, a0, a1, b0, b1};
+  std::vector<int32_t> tlines = {0, checkpoint_line(0, 128), 0, checkpoint_line(2, 128)};
+  while (static_cast<int64_t>(tlines.size()) < batch.max_seqs) {
+    tlines.push_back(0);
+    tqsl.push_back(tqsl.back());
+  }
+  std::unique_ptr<bool[]> tinit(new bool[tlines.size()]);
+  for (size_t i = 0; i < tlines.size(); ++i) tinit[i] = i == 1 || i == 3;
+  std::vector<kda::CheckpointSeq> tseqs(tlines.size());
+  const int32_t tail_ck = take_line();
+  tseqs[3] = {128, 0, 1, 0};
+  const std::vector<kda::CheckpointEntry> tentries = {{tail_ck, 3, 128, 0}, {}};
+  const RunResult tail = run_on(pr, DeviceMeta(tqsl, tlines, tinit.get(), tseqs, tentries), got.pool);
+  int64_t o_bits = 0;
+  for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{a0, a1}, std::pair<int64_t, int64_t>{b0, b1}})
+    o_bits += kda::test::diff_bits(tail.o.data() + r0 * pr.o_stride, got.o.data() + r0 * pr.o_stride,
+                                   static_cast<size_t>((r1 - r0) * pr.o_stride) * 2);
+  const int64_t state_bits =
+      state_diff_bits(line_states(pr, tail.pool, tlines[1]), line_states(pr, got.pool, batch.lines[0])) +
+      state_diff_bits(line_states(pr, tail.pool, tlines[3]), line_states(pr, got.pool, batch.lines[2]));
+  const int64_t ck_bits =
+      state_diff_bits(line_states(pr, tail.pool, tail_ck), line_states(pr, got.pool, checkpoint_line(2, 256)));
+  MESSAGE("continued from checkpoints: ", o_bits, " o bits, ", state_bits, " final-state bits and ", ck_bits,
+          " checkpoint bits differ from the uninterrupted run");
+  CHECK(o_bits == 0);
+  CHECK(state_bits == 0);
+  CHECK(ck_bits == 0);
+  // Only the tails' o rows and lines and the tail's checkpoint line change.
+  std::vector<char> state_written(tail.pool.size(), 0);
+  for (int64_t line : {int64_t{tlines[1]}, int64_t{tlines[3]}, int64_t{tail_ck}})
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < kD; ++i)
+        for (int64_t j = 0; j < kD; ++j)
+          state_written[static_cast<size_t>(line * layout.line + h * layout.head + i * layout.k + j * layout.v)] = 1;
+  int64_t pool_changed = 0, o_changed = 0;
+  for (size_t i = 0; i < tail.pool.size(); ++i)
+    if (!state_written[i] && std::memcmp(&tail.pool[i], &got.pool[i], sizeof(float)) != 0) ++pool_changed;
+  for (int64_t r = 0; r < pr.bucket; ++r) {
+    const bool tail_row = (r >= a0 && r < a1) || (r >= b0 && r < b1);
+    for (int64_t c = 0; c < pr.o_stride; ++c)
+      if ((!tail_row || c >= pr.part) && tail.o[static_cast<size_t>(r * pr.o_stride + c)] != kPoison16) ++o_changed;
+  }
+  CHECK(pool_changed == 0);
+  CHECK(o_changed == 0);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 
 #include "kda/error.h"
 #include "norm/gated_rmsnorm.h"
+#include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
 
 namespace {
@@ -116,6 +117,55 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
     FAIL("kda_prep_recurrence accepted bad arguments");
   } catch (const kda::Error& e) {
     CHECK(e.function() == "kda::kda_prep_recurrence");
+    CHECK(e.message() == why);
+  }
+}
+
+TEST_CASE("kda_prep_recurrence_supported checks the state-checkpoint tables") {
+  kda::PrepRecurrenceArgs a = valid_recurrence_args();
+  a.checkpoint_seqs = fake<const kda::CheckpointSeq>(13);
+  a.checkpoint_entries = fake<const kda::CheckpointEntry>(14);
+  a.max_checkpoints = 4;
+  std::string why;
+  REQUIRE(kda::kda_prep_recurrence_supported(a, &why));
+
+  std::string expect;
+  SUBCASE("entries without sequences") { a.checkpoint_seqs = nullptr; expect = "set together"; }
+  SUBCASE("sequences without entries") { a.checkpoint_entries = nullptr; expect = "set together"; }
+  SUBCASE("negative max_checkpoints") { a.max_checkpoints = -1; expect = "max_checkpoints -1"; }
+  SUBCASE("max_checkpoints past int32") {
+    a.max_checkpoints = int64_t{1} << 31;
+    expect = "max_checkpoints 2147483648";
+  }
+  SUBCASE("tables with no entries") { a.max_checkpoints = 0; expect = "max_checkpoints is 0"; }
+  SUBCASE("misaligned sequence table") {
+    a.checkpoint_seqs = reinterpret_cast<const kda::CheckpointSeq*>(
+        reinterpret_cast<const char*>(a.checkpoint_seqs) + 4);
+    expect = "16-byte aligned";
+  }
+  SUBCASE("misaligned entry table") {
+    a.checkpoint_entries = reinterpret_cast<const kda::CheckpointEntry*>(
+        reinterpret_cast<const char*>(a.checkpoint_entries) + 8);
+    expect = "16-byte aligned";
+  }
+  SUBCASE("no tables, with or without a capacity, are fine") {
+    a.checkpoint_seqs = nullptr;
+    a.checkpoint_entries = nullptr;
+    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    a.max_checkpoints = 0;
+    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    return;
+  }
+  CAPTURE(expect);
+  CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK(why.find(expect) != std::string::npos);
+  std::string chunked_why;  // the chunked kernel shares the checks
+  CHECK_FALSE(kda::kda_chunked_supported(a, &chunked_why));
+  CHECK(chunked_why == why);
+  try {
+    kda::kda_prep_recurrence(a, nullptr);
+    FAIL("kda_prep_recurrence accepted bad checkpoint tables");
+  } catch (const kda::Error& e) {
     CHECK(e.message() == why);
   }
 }

@@ -142,3 +142,67 @@ TEST_CASE("pool layouts and line strides give the state strides the kernels are 
   CHECK(ra.state_stride_k == 1);
   CHECK(ra.state_stride_v == 128);
 }
+
+TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence, or nothing does") {
+  kda::Config config;
+  config.model.hidden_size = 1024;
+  config.model.num_heads = 2;
+  config.runtime.token_buckets = {128, 256};
+  config.pools.cache_lines = 40;
+  config.pools.null_line = 3;
+  kda::LayerWeights weights;
+  kda::StepContext ctx;
+  ctx.bucket_tokens = 256;
+  ctx.max_seqs = 8;
+  ctx.query_start_loc = fake<const int32_t>(1);
+  ctx.cache_indices = fake<const int32_t>(2);
+  ctx.has_initial_state = fake<const bool>(3);
+  ctx.in_proj_out = fake<void>(4);
+  // The pools far from the in_proj output: the overlap checks compare extents.
+  ctx.conv_states = reinterpret_cast<float*>(uintptr_t{1} << 40);
+  ctx.recurrent_states = reinterpret_cast<float*>(uintptr_t{1} << 41);
+  ctx.conv_strides = kda::detail::conv_state_strides(config, 0);
+  ctx.recurrent_strides = kda::detail::recurrent_state_strides(config, 0);
+  ctx.weights = &weights;
+  ctx.config = &config;
+  kda::detail::StepInputs in;
+  in.ctx = ctx;
+
+  SUBCASE("checkpoints off: the conv checkpoints do nothing and the recurrence gets no table") {
+    const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in.ctx);
+    CHECK(c.max_entries == 0);
+    CHECK(kda::conv_checkpoint_supported(c));
+    const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+    CHECK(r.checkpoint_seqs == nullptr);
+    CHECK(r.checkpoint_entries == nullptr);
+    CHECK(r.max_checkpoints == 0);
+  }
+  SUBCASE("checkpoints on") {
+    config.runtime.max_checkpoints = 12;
+    in.ctx.checkpoint_seqs = fake<const int32_t>(7);
+    in.ctx.checkpoint_entries = fake<const int32_t>(8);
+    const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in.ctx);
+    CHECK(c.x == ctx.in_proj_out);
+    CHECK(c.x_row_stride == config.model.in_proj_stride());
+    CHECK(c.dim == 3 * 256);
+    CHECK(c.num_tokens == 256);
+    CHECK(c.conv_states == ctx.conv_states);
+    CHECK(c.state_stride_line == ctx.conv_strides.line);
+    CHECK(c.state_stride_dim == ctx.conv_strides.dim);
+    CHECK(c.state_stride_tap == ctx.conv_strides.tap);
+    CHECK(c.num_cache_lines == 40);
+    CHECK(c.null_line == 3);
+    CHECK(c.num_seqs == 8);
+    CHECK(c.query_start_loc == ctx.query_start_loc);
+    CHECK(c.cache_indices == ctx.cache_indices);
+    CHECK(c.has_initial_state == ctx.has_initial_state);
+    CHECK(static_cast<const void*>(c.entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
+    CHECK(c.max_entries == 12);
+    std::string why;
+    CHECK_MESSAGE(kda::conv_checkpoint_supported(c, &why), why);
+    const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+    CHECK(static_cast<const void*>(r.checkpoint_seqs) == static_cast<const void*>(in.ctx.checkpoint_seqs));
+    CHECK(static_cast<const void*>(r.checkpoint_entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
+    CHECK(r.max_checkpoints == 12);
+  }
+}

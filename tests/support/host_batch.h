@@ -16,6 +16,27 @@ struct HostBatch {
   std::unique_ptr<bool[]> flags;  // lines.size() entries
   // view()'s num_seqs when set (tests of bad metadata); lines.size() otherwise.
   std::optional<int64_t> num_seqs_override;
+  // State checkpoints (BatchView::checkpoint_*): empty (none), or one interval per sequence
+  // and the checkpoint_start_loc offsets (num_seqs + 1) into ckpt_lines.
+  std::vector<int32_t> ckpt_interval, ckpt_start, ckpt_lines;
+
+  // Gives sequence s (of the sequences already added) checkpoints every `every` rows on
+  // `on_lines`, replacing any it had.
+  void set_checkpoints(int64_t s, int32_t every, const std::vector<int32_t>& on_lines) {
+    const std::size_t n = lines.size();
+    std::vector<std::vector<int32_t>> per_seq(n);
+    for (std::size_t i = 0; i < n && !ckpt_start.empty(); ++i)
+      per_seq[i].assign(ckpt_lines.begin() + ckpt_start[i], ckpt_lines.begin() + ckpt_start[i + 1]);
+    ckpt_interval.resize(n, 0);
+    ckpt_interval[static_cast<std::size_t>(s)] = every;
+    per_seq[static_cast<std::size_t>(s)] = on_lines;
+    ckpt_start.assign(1, 0);
+    ckpt_lines.clear();
+    for (const auto& l : per_seq) {
+      ckpt_lines.insert(ckpt_lines.end(), l.begin(), l.end());
+      ckpt_start.push_back(static_cast<int32_t>(ckpt_lines.size()));
+    }
+  }
 
   int64_t num_seqs() const {
     return num_seqs_override ? *num_seqs_override : static_cast<int64_t>(lines.size());
@@ -26,6 +47,11 @@ struct HostBatch {
     v.cache_indices = lines.data();
     v.has_initial_state = flags.get();
     v.num_seqs = num_seqs();
+    if (!ckpt_start.empty()) {
+      v.checkpoint_interval = ckpt_interval.data();
+      v.checkpoint_start_loc = ckpt_start.data();
+      v.checkpoint_lines = ckpt_lines.data();
+    }
     return v;
   }
   int64_t tokens() const { return qsl.back(); }

@@ -1,0 +1,71 @@
+// kda-prefill: conv-state checkpoints. For prefix caching, copies the conv state that a
+// sequence has after its first `end` rows of the window (the last 3 conv inputs before that
+// offset, docs/stock-conv.md "State update") into another pool line, the checkpoint's.
+//
+// The module runs it before the packed conv of the same window: it reads the bf16 in_proj
+// output columns in place, and, for a checkpoint end below 3, the old taps of the sequence's
+// own line, which the packed conv then rewrites. The values are copies (bf16 widened exactly to
+// fp32, or the old fp32 taps), so a checkpoint line is bitwise the state that the packed conv
+// leaves on a line after running the sequence cut at `end` rows.
+//
+// The entries (common/state_checkpoints.h) are read from device memory: one captured launch
+// replays with new entries. CUDA-free.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/state_checkpoints.h"
+#include "kda/error.h"
+#include "kda/types.h"
+
+namespace kda {
+
+// All strides are in elements. All pointers are device pointers.
+struct ConvCheckpointArgs {
+  const void* x = nullptr;     // bf16 (num_tokens, dim), column stride 1: the packed conv's x
+  int64_t x_row_stride = 0;    // >= dim
+  int64_t num_tokens = 0;      // capacity (rows of x)
+  int64_t dim = 0;             // channels (3P for the Q|K|V columns)
+  float* conv_states = nullptr;  // (num_cache_lines, dim, taps), only taps 0..2 read or written
+  int64_t num_cache_lines = 0;
+  int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
+  const int32_t* query_start_loc = nullptr;  // (num_seqs + 1), the window's
+  int64_t num_seqs = 0;                      // capacity
+  const int32_t* cache_indices = nullptr;    // (num_seqs), element stride 1
+  const bool* has_initial_state = nullptr;   // (num_seqs); nullptr: none has one
+  int32_t null_line = 0;                     // sequences on it are skipped; no checkpoint is written to it
+  const CheckpointEntry* entries = nullptr;  // (max_entries), 16-byte aligned; unused: line -1
+  int64_t max_entries = 0;                   // capacity; 0: the op does nothing
+};
+
+// Semantics, for entry i < max_entries with entries[i].line >= 0: with s = entries[i].seq,
+// bos = query_start_loc[s], line_s = cache_indices[s], for channel c < dim and tap j in 0..2,
+// r = end - 3 + j:
+//   conv_states[line, c, j] = r >= 0 ? float(x[bos + r, c])
+//                                    : has_initial_state[s] ? conv_states[line_s, c, 3 + r] : 0.0f
+// The host guarantees well-formed entries (common/state_checkpoints.h); malformed device data
+// never makes the kernel touch memory outside the arrays these arguments describe: an entry is
+// skipped (writes nothing) when its line is outside [0, num_cache_lines), the null line or its
+// sequence's own line, its seq is outside [0, num_seqs), its sequence's line is the null line or
+// outside [0, num_cache_lines), its sequence's rows are not within [0, num_tokens), or end is
+// below 1 or above the sequence's rows. Two entries on one line, or an entry on the line of
+// another sequence of the batch, is undefined (validate on the host) but stays in bounds.
+//
+// The grid is (max_entries, ceil(dim / kConvCheckpointChannelsPerCta)): capacities only, never
+// the contents of the entries, so a launch can be captured in a CUDA graph.
+
+// True when the arguments are well formed (and the grid fits CUDA's limits); otherwise false,
+// with the reason in *why when why is non-null (cleared on success). Pointers are needed only
+// when max_entries > 0. Reads no device memory.
+bool conv_checkpoint_supported(const ConvCheckpointArgs& args, std::string* why = nullptr);
+
+// Enqueues the checkpoint copies on `stream`. Throws kda::Error ("kda::conv_checkpoint"; enqueues
+// nothing) when conv_checkpoint_supported() is false; max_entries == 0 enqueues nothing. Makes
+// no host synchronisation and allocates nothing, so it may be captured into a CUDA graph.
+void conv_checkpoint(const ConvCheckpointArgs& args, Stream stream);
+
+// Channels per CTA (one per thread, the 3 taps each).
+constexpr int kConvCheckpointChannelsPerCta = 256;
+
+}  // namespace kda

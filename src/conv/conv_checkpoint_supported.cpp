@@ -1,0 +1,126 @@
+// conv_checkpoint_supported(): which arguments the conv-state checkpoint kernel runs. Reads no
+// device memory; pointers are only checked for null, alignment and overlap.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "common/check.h"
+#include "conv/conv_checkpoint.h"
+
+namespace kda {
+
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+// CUDA's grid limits: entries on x, column blocks on y.
+constexpr int64_t kMaxGridX = 2147483647;
+constexpr int64_t kMaxGridY = 65535;
+
+bool aligned_to(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+// a * b + c for non-negative operands, or -1 when it exceeds int64.
+int64_t mul_add_or_overflow(int64_t a, int64_t b, int64_t c) {
+  if (c < 0) return -1;
+  if (a != 0 && b > (kInt64Max - c) / a) return -1;
+  return a * b + c;
+}
+
+// Elements spanned by an array of three dimensions (size, element stride) when it maps distinct
+// indices to distinct elements (sorted by stride, each stride steps over the whole extent of the
+// smaller ones), else -1 (also on overflow). As packed_conv_supported.cpp checks the states.
+int64_t extent_without_overlap(std::array<std::pair<int64_t, int64_t>, 3> dims) {
+  std::sort(dims.begin(), dims.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  int64_t extent = 1;
+  for (const auto& [size, stride] : dims) {
+    if (size <= 1) continue;
+    if (stride < extent) return -1;
+    const int64_t next = mul_add_or_overflow(stride, size - 1, extent);
+    if (next < 0) return -1;
+    extent = next;
+  }
+  return extent;
+}
+
+}  // namespace
+
+bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
+  using detail::fail;
+  using detail::str_cat;
+  if (a.max_entries < 0) return fail(why, str_cat("max_entries ", a.max_entries, " is negative"));
+  if (a.max_entries > kMaxGridX)
+    return fail(why, str_cat("max_entries ", a.max_entries, " exceeds the ", kMaxGridX,
+                             " CTAs a grid's x extent can hold (one per entry)"));
+  if (a.dim <= 0) return fail(why, str_cat("dim ", a.dim, " must be positive"));
+  const int64_t col_blocks =
+      (a.dim + kConvCheckpointChannelsPerCta - 1) / kConvCheckpointChannelsPerCta;
+  if (col_blocks > kMaxGridY)
+    return fail(why, str_cat("dim ", a.dim, " needs ", col_blocks, " column blocks of ",
+                             kConvCheckpointChannelsPerCta, " channels, more than the ", kMaxGridY,
+                             " a grid's y extent can hold"));
+  if (a.num_tokens < 0) return fail(why, str_cat("num_tokens ", a.num_tokens, " is negative"));
+  if (a.num_tokens > kInt32Max)
+    return fail(why, str_cat("num_tokens ", a.num_tokens,
+                             " exceeds 2147483647 (query_start_loc is int32)"));
+  if (a.num_seqs < 0) return fail(why, str_cat("num_seqs ", a.num_seqs, " is negative"));
+  if (a.num_seqs >= kInt32Max)
+    return fail(why, str_cat("num_seqs ", a.num_seqs, " must be below 2147483647"));
+  if (a.x_row_stride < a.dim)
+    return fail(why, str_cat("x_row_stride ", a.x_row_stride, " is smaller than dim ", a.dim));
+  if (a.num_tokens > 0) {
+    const int64_t x_elems = mul_add_or_overflow(a.num_tokens - 1, a.x_row_stride, a.dim);
+    if (x_elems < 0 || x_elems > kInt64Max / 2)
+      return fail(why, "x's extent (num_tokens, x_row_stride) overflows 64-bit addressing");
+  }
+  if (a.num_cache_lines < 1)
+    return fail(why, str_cat("num_cache_lines ", a.num_cache_lines, " must be at least 1"));
+  if (a.state_stride_line < 0 || a.state_stride_dim < 0 || a.state_stride_tap < 0)
+    return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
+                             ", ", a.state_stride_tap, ") must not be negative"));
+  const int64_t state_elems = extent_without_overlap(
+      {{{a.num_cache_lines, a.state_stride_line}, {a.dim, a.state_stride_dim}, {3, a.state_stride_tap}}});
+  if (state_elems < 0 || state_elems > kInt64Max / 4)
+    return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
+                             ", ", a.state_stride_tap,
+                             ") make different (line, channel, tap) elements overlap or overflow "
+                             "64-bit addressing"));
+
+  if (a.max_entries == 0) {  // nothing is read or written: no pointer is needed
+    if (why) why->clear();
+    return true;
+  }
+  if (!a.x) return fail(why, "x is null");
+  if (!a.conv_states) return fail(why, "conv_states is null");
+  if (!a.query_start_loc) return fail(why, "query_start_loc is null");
+  if (!a.cache_indices) return fail(why, "cache_indices is null");
+  if (!a.entries) return fail(why, "entries is null");
+  if (!aligned_to(a.x, 2)) return fail(why, "x is not aligned to its 2-byte bf16 elements");
+  if (!aligned_to(a.conv_states, 4) || !aligned_to(a.query_start_loc, 4) ||
+      !aligned_to(a.cache_indices, 4))
+    return fail(why, "conv_states, query_start_loc and cache_indices must be aligned to their "
+                     "4-byte elements");
+  if (!aligned_to(a.entries, alignof(CheckpointEntry)))
+    return fail(why, str_cat("entries is not aligned to its ", alignof(CheckpointEntry),
+                             "-byte CheckpointEntry records"));
+
+  // The kernel writes conv_states while it reads x: the two must not overlap.
+  if (a.num_tokens > 0) {
+    const auto x_begin = reinterpret_cast<std::uintptr_t>(a.x);
+    const std::uintptr_t x_end =
+        x_begin + static_cast<std::uintptr_t>(((a.num_tokens - 1) * a.x_row_stride + a.dim) * 2);
+    const auto s_begin = reinterpret_cast<std::uintptr_t>(a.conv_states);
+    const std::uintptr_t s_end = s_begin + static_cast<std::uintptr_t>(state_elems * 4);
+    if (x_begin < s_end && s_begin < x_end) return fail(why, "conv_states overlaps x");
+  }
+
+  if (why) why->clear();
+  return true;
+}
+
+}  // namespace kda
