@@ -12,10 +12,14 @@
 // host thread per rank, the ranks' outputs summed by the modules' NCCL all-reduce, and checks
 // them against a TP = 1 run of the same weights on GPU 0 (see run_tp).
 //
+// --prefix-sharing runs the prefix-caching scenario of prefix_sharing.h instead of the batch:
+// prompt A with state checkpoints, then prompt B, which shares A's first 75%, from A's checkpoint.
+//
 //   prefill_driver --config configs/default.yaml --lengths 512,37,2000 --check
 //   prefill_driver --validate --config configs/kimi-linear-48b-tp1.yaml
 //   prefill_driver --random 16 --layers 4 --iters 50
 //   prefill_driver --config configs/kimi-linear-48b-tp1.yaml --tp 2
+//   prefill_driver --prefix-sharing
 //
 // Exit codes: 0 success; 1 a run or check failed; 2 bad arguments, a bad config, no usable
 // CUDA device, or fewer GPUs than --tp asks for.
@@ -43,6 +47,8 @@
 #include <vector>
 
 #include "common/device_memory.h"
+#include "host_data.h"
+#include "prefix_sharing.h"
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
@@ -50,6 +56,10 @@
 #include "testing/tp_shard.h"  // the driver cuts the full model's host weights and pools per rank
 
 namespace {
+
+using driver::diff_bits;
+using driver::random_bf16;
+using driver::rel_error_bf16;
 
 struct Options {
   std::string config = "configs/default.yaml";
@@ -62,6 +72,7 @@ struct Options {
   bool compare_eager = true;
   bool validate = false;  // --validate: check the config, print the sizes, touch no CUDA
   int tp = 0;  // --tp N: ranks; 0 runs the config as one module
+  bool prefix_sharing = false;  // --prefix-sharing: the checkpoint scenario instead of the batch
 };
 
 // --help prints this on stdout and exits 0; a bad argument prints the problem and this on
@@ -71,7 +82,8 @@ struct Options {
   if (!problem.empty()) std::fprintf(out, "%s: %s\n\n", argv0, problem.c_str());
   std::fprintf(out,
                "usage: %s [--config FILE] [--validate] [--lengths L1,L2,...| --random N] [--layers N]\n"
-               "          [--iters N] [--seed S] [--check] [--no-eager] [--tp N] [--help]\n"
+               "          [--iters N] [--seed S] [--check] [--no-eager] [--tp N] [--prefix-sharing]\n"
+               "          [--help]\n"
                "  --config FILE   YAML config (default configs/default.yaml); loaded and validated\n"
                "                  before any CUDA call: a bad config exits 2 naming file:line: key\n"
                "  --validate      only check the config (with --layers and --tp applied) and that the\n"
@@ -88,6 +100,9 @@ struct Options {
                "  --tp N          run the config's model as N tensor-parallel ranks on GPUs 0..N-1\n"
                "                  (NCCL all-reduce) and compare with a TP = 1 run on GPU 0; the\n"
                "                  config is the whole model (tensor_parallel.size 1)\n"
+               "  --prefix-sharing  prefill prompt A with state checkpoints, then prompt B sharing A's\n"
+               "                  first 75%% from the checkpoint; print tokens saved, both times and the\n"
+               "                  difference from a full prefill of B (needs runtime.max_checkpoints >= 7)\n"
                "  --help, -h      print this and exit 0\n"
                "exit status: 0 ok; 1 a run or check failed; 2 bad arguments, bad config, no usable\n"
                "CUDA device (or fewer than --tp N)\n",
@@ -138,11 +153,13 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--check") o.check = true;
     else if (a == "--no-eager") o.compare_eager = false;
     else if (a == "--validate") o.validate = true;
+    else if (a == "--prefix-sharing") o.prefix_sharing = true;
     else if (a == "--tp") o.tp = static_cast<int>(int_value(1, 64));
     else if (a == "--help" || a == "-h") usage(argv[0], "", /*help=*/true);
     else usage(argv[0], "unknown argument \"" + a + "\"");
   }
   if (!o.lengths.empty() && o.random_seqs) usage(argv[0], "give --lengths or --random, not both");
+  if (o.prefix_sharing && o.tp) usage(argv[0], "give --prefix-sharing or --tp, not both");
   return o;
 }
 
@@ -170,23 +187,6 @@ HostBatch make_batch(const std::vector<int32_t>& lengths, const kda::Config& cfg
     b.flags.push_back(initial ? 1 : 0);
   }
   return b;
-}
-
-// Uniform(-1, 1) bf16 bits (round to nearest even), from a xorshift generator: hidden states
-// for the batch rows, made on the host so the driver needs nothing but the public API.
-std::vector<uint16_t> random_bf16(size_t count, uint64_t seed) {
-  std::vector<uint16_t> out(count);
-  uint64_t x = seed | 1;
-  for (auto& v : out) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    float f = static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) / float(1 << 23);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    v = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  }
-  return out;
 }
 
 double ms_between(cudaEvent_t a, cudaEvent_t b) {
@@ -294,8 +294,10 @@ ModuleMemory module_memory(const kda::Config& cfg) {
   mem.windows = (capacity + B - 1) / B;
   mem.padded_rows = mem.windows * B;
   // StagingLayout: query_start_loc (S + 1) int32, cache_indices S int32, has_initial_state S
-  // bool, each rounded up to 16 bytes (src/runtime/batch_plan.cpp).
+  // bool, each rounded up to 16 bytes, and with runtime.max_checkpoints > 0 a 16-byte record
+  // per sequence and per checkpoint (src/runtime/batch_plan.cpp).
   mem.slot_bytes = round_up((S + 1) * 4, 16) + round_up(S * 4, 16) + round_up(S * 1, 16);
+  if (rt.max_checkpoints > 0) mem.slot_bytes += (S + rt.max_checkpoints) * 16;
   const int64_t R = mem.padded_rows;
   mem.once = {
       // LayerProgram (layer_program.cpp): hidden and output, padded_rows x D bf16, so that
@@ -542,31 +544,6 @@ double step_us(const std::vector<kda::StepTiming>& steps, const std::string& nam
   for (const auto& t : steps)
     if (t.name == name) return t.gpu_us;
   return 0;
-}
-
-// Relative Frobenius error of bf16 `got` against bf16 `want`.
-double rel_error_bf16(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want) {
-  auto f = [](uint16_t h) {
-    const uint32_t u = static_cast<uint32_t>(h) << 16;
-    float x;
-    std::memcpy(&x, &u, 4);
-    return static_cast<double>(x);
-  };
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double d = f(got[i]) - f(want[i]);
-    num += d * d;
-    den += f(want[i]) * f(want[i]);
-  }
-  return std::isfinite(num) ? std::sqrt(num / (den > 0 ? den : 1)) : INFINITY;
-}
-
-int64_t diff_bits(const void* a, const void* b, size_t bytes) {
-  auto* pa = static_cast<const unsigned char*>(a);
-  auto* pb = static_cast<const unsigned char*>(b);
-  int64_t bits = 0;
-  for (size_t i = 0; i < bytes; ++i) bits += __builtin_popcount(static_cast<unsigned>(pa[i] ^ pb[i]));
-  return bits;
 }
 
 // The rank threads' meeting point between phases, which also tells every rank whether all of
@@ -861,6 +838,11 @@ int main(int argc, char** argv) {
                   static_cast<int>(cfg.runtime.num_layers));
     }
     module.init_random_weights(opt.seed);
+    if (opt.prefix_sharing) {
+      const int rc = run_prefix_sharing(module, opt.seed, stream);
+      cudaStreamDestroy(stream);
+      return rc;
+    }
     HostBatch first = make_batch(lengths, cfg, /*initial=*/false);
     HostBatch next = make_batch(lengths, cfg, /*initial=*/true);
     const int64_t tokens = first.view().num_tokens();

@@ -114,6 +114,11 @@ for stage in "${stages[@]}"; do
       rc=$?
       tail -25 "$OUT/driver.log"
       note "driver --check rc $rc"
+      timeout "${DRIVER_TIMEOUT:-120}" "$build/examples/prefill_driver" --config configs/default.yaml --prefix-sharing \
+        > "$OUT/driver_prefix_sharing.log" 2>&1
+      rc=$?
+      tail -6 "$OUT/driver_prefix_sharing.log"
+      note "driver --prefix-sharing rc $rc: $(tail -1 "$OUT/driver_prefix_sharing.log")"
       ;;
     tp)
       # Tensor parallelism: the driver's ranks against TP = 1, on as many GPUs as there are (1, 2,
