@@ -24,7 +24,8 @@ struct PackedConvArgs {
   const float* weight = nullptr;                          // (dim, 4), taps oldest first
   int64_t weight_stride_dim = 4, weight_stride_tap = 1;
   const float* bias = nullptr;                            // (dim) or nullptr
-  float* conv_states = nullptr;                           // (num_cache_lines, dim, state_len), in place
+  void* conv_states = nullptr;                            // (num_cache_lines, dim, state_len), in place
+  DType state_dtype = DType::FP32;                        // FP32, or BF16 with x_dtype BF16 (exact)
   int64_t num_cache_lines = 0, state_len = 3;             // state_len >= 3; only taps 0..2 are used
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   const int32_t* query_start_loc = nullptr;               // (num_seqs + 1), non-decreasing

@@ -26,7 +26,7 @@ conv_checkpoint_kernel(const ConvCheckpointArgs a) {
 #pragma unroll
   for (int j = 0; j < 3; ++j) v[j] = checkpoint_value(a, s, c, j);
 #pragma unroll
-  for (int j = 0; j < 3; ++j) *checkpoint_target(a, s, c, j) = v[j];
+  for (int j = 0; j < 3; ++j) checkpoint_store(a, s, c, j, v[j]);
 }
 
 }  // namespace

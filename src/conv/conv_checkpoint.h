@@ -4,9 +4,10 @@
 //
 // The module runs it before the packed conv of the same window: it reads the bf16 in_proj
 // output columns in place, and, for a checkpoint end below 3, the old taps of the sequence's
-// own line, which the packed conv then rewrites. The values are copies (bf16 widened exactly to
-// fp32, or the old fp32 taps), so a checkpoint line is bitwise the state that the packed conv
-// leaves on a line after running the sequence cut at `end` rows.
+// own line, which the packed conv then rewrites. The values are copies (bf16 inputs, or old taps
+// of the same pool) stored in the pool's type, fp32 or bf16 (state_dtype): both hold them
+// exactly. So a checkpoint line is bitwise the state that the packed conv leaves on a line of
+// the same pool after running the sequence cut at `end` rows.
 //
 // The entries (common/state_checkpoints.h) are read from device memory: one captured launch
 // replays with new entries. CUDA-free.
@@ -27,7 +28,8 @@ struct ConvCheckpointArgs {
   int64_t x_row_stride = 0;    // >= dim
   int64_t num_tokens = 0;      // capacity (rows of x)
   int64_t dim = 0;             // channels (3P for the Q|K|V columns)
-  float* conv_states = nullptr;  // (num_cache_lines, dim, taps), only taps 0..2 read or written
+  void* conv_states = nullptr;   // (num_cache_lines, dim, taps), only taps 0..2 read or written
+  DType state_dtype = DType::FP32;  // FP32 or BF16 (bf16 inputs: a bf16 line stores them exactly)
   int64_t num_cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   const int32_t* query_start_loc = nullptr;  // (num_seqs + 1), the window's
@@ -39,7 +41,8 @@ struct ConvCheckpointArgs {
   int64_t max_entries = 0;                   // capacity; 0: the op does nothing
 };
 
-// Semantics, for entry i < max_entries with entries[i].line >= 0: with s = entries[i].seq,
+// Semantics (values in fp32, stored in the pool's type), for entry i < max_entries with
+// entries[i].line >= 0: with s = entries[i].seq,
 // bos = query_start_loc[s], line_s = cache_indices[s], for channel c < dim and tap j in 0..2,
 // r = end - 3 + j:
 //   conv_states[line, c, j] = r >= 0 ? float(x[bos + r, c])
@@ -55,7 +58,8 @@ struct ConvCheckpointArgs {
 // The grid is (max_entries, ceil(dim / kConvCheckpointChannelsPerCta)): capacities only, never
 // the contents of the entries, so a launch can be captured in a CUDA graph.
 
-// True when the arguments are well formed (and the grid fits CUDA's limits); otherwise false,
+// True when the arguments are well formed (state_dtype FP32 or BF16, conv_states aligned to its
+// elements, and the grid fits CUDA's limits); otherwise false,
 // with the reason in *why when why is non-null (cleared on success). Pointers are needed only
 // when max_entries > 0. Reads no device memory.
 bool conv_checkpoint_supported(const ConvCheckpointArgs& args, std::string* why = nullptr);

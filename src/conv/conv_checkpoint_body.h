@@ -1,14 +1,16 @@
 // The per-entry and per-element code of the conv-state checkpoint op (conv_checkpoint.h), shared
 // by the kernel (conv_checkpoint.cu) and the CPU tests, which run this very code on host arrays.
 // Every read is a plain load through the argument pointers (device pointers in the kernel, host
-// pointers in the tests). Plain C++ with KDA_HOST_DEVICE; no CUDA header.
+// pointers in the tests). Pool elements are fp32 or bf16 (state_dtype), read and written through
+// common/state_storage.h; a value is a bf16 input or an old tap, so either type holds it exactly.
+// Plain C++ with KDA_HOST_DEVICE; no CUDA header.
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "common/host_device.h"
 #include "common/state_checkpoints.h"
+#include "common/state_storage.h"
 #include "conv/conv_checkpoint.h"
 
 namespace kda::conv {
@@ -45,18 +47,6 @@ KDA_HOST_DEVICE inline CheckpointSource checkpoint_source(const ConvCheckpointAr
   return s;
 }
 
-// bf16 bits widened to fp32: exact (bf16 is the top half of an fp32).
-KDA_HOST_DEVICE inline float checkpoint_bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
 // Tap j (0 oldest, 2 most recent) of channel c of the checkpoint of a valid source s: the
 // input row end - 3 + j of the sequence, or for a row before its first, the old tap 3 + r of
 // its line (with an initial state) or zero.
@@ -64,23 +54,28 @@ KDA_HOST_DEVICE inline float checkpoint_value(const ConvCheckpointArgs& a, const
                                               int64_t c, int j) {
   const int64_t r = s.end - 3 + j;
   if (r >= 0)
-    return checkpoint_bf16_to_float(
+    return state_bf16_to_float(
         static_cast<const uint16_t*>(a.x)[(s.row0 + j) * a.x_row_stride + c]);
   if (!s.init) return 0.0f;
-  return a.conv_states[s.src + c * a.state_stride_dim + (3 + r) * a.state_stride_tap];
+  return load_state_elem(a.conv_states,
+                         s.src + c * a.state_stride_dim + (3 + r) * a.state_stride_tap,
+                         a.state_dtype == DType::BF16);
 }
 
-// The element (channel c, tap j) of a valid source's checkpoint line.
-KDA_HOST_DEVICE inline float* checkpoint_target(const ConvCheckpointArgs& a, const CheckpointSource& s,
-                                                int64_t c, int j) {
-  return a.conv_states + s.dst + c * a.state_stride_dim + j * a.state_stride_tap;
+// Stores v as the element (channel c, tap j) of a valid source's checkpoint line, in the pool's
+// type. A bf16 store rounds, which changes no value here: v is a bf16 input or a tap of the same
+// pool (a NaN is stored as the canonical 0x7FFF, as the packed conv stores it).
+KDA_HOST_DEVICE inline void checkpoint_store(const ConvCheckpointArgs& a, const CheckpointSource& s,
+                                             int64_t c, int j, float v) {
+  store_state_elem(a.conv_states, s.dst + c * a.state_stride_dim + j * a.state_stride_tap, v,
+                   a.state_dtype == DType::BF16);
 }
 
 // One element: writes tap j of channel c of entry source s (nothing when s is not valid).
 KDA_HOST_DEVICE inline void checkpoint_element(const ConvCheckpointArgs& a, const CheckpointSource& s,
                                                int64_t c, int j) {
   if (s.dst < 0) return;
-  *checkpoint_target(a, s, c, j) = checkpoint_value(a, s, c, j);
+  checkpoint_store(a, s, c, j, checkpoint_value(a, s, c, j));
 }
 
 }  // namespace kda::conv

@@ -80,12 +80,22 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
   }
   if (a.num_cache_lines < 1)
     return fail(why, str_cat("num_cache_lines ", a.num_cache_lines, " must be at least 1"));
+  // The pool holds bf16 inputs (and copies of its own taps): fp32 and bf16 both hold them exactly.
+  const int state_dtype_value = static_cast<int>(a.state_dtype);
+  if (state_dtype_value < static_cast<int>(DType::BF16) ||
+      state_dtype_value > static_cast<int>(DType::FP32))
+    return fail(why, str_cat("state_dtype has the invalid value ", state_dtype_value,
+                             "; supported are fp32 and bf16"));
+  if (a.state_dtype != DType::FP32 && a.state_dtype != DType::BF16)
+    return fail(why, str_cat("state_dtype ", dtype_name(a.state_dtype),
+                             " is not supported; conv states are fp32 or bf16"));
+  const int64_t state_elem = static_cast<int64_t>(dtype_size(a.state_dtype));
   if (a.state_stride_line < 0 || a.state_stride_dim < 0 || a.state_stride_tap < 0)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
                              ", ", a.state_stride_tap, ") must not be negative"));
   const int64_t state_elems = extent_without_overlap(
       {{{a.num_cache_lines, a.state_stride_line}, {a.dim, a.state_stride_dim}, {3, a.state_stride_tap}}});
-  if (state_elems < 0 || state_elems > kInt64Max / 4)
+  if (state_elems < 0 || state_elems > kInt64Max / state_elem)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
                              ", ", a.state_stride_tap,
                              ") make different (line, channel, tap) elements overlap or overflow "
@@ -101,10 +111,11 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
   if (!a.cache_indices) return fail(why, "cache_indices is null");
   if (!a.entries) return fail(why, "entries is null");
   if (!aligned_to(a.x, 2)) return fail(why, "x is not aligned to its 2-byte bf16 elements");
-  if (!aligned_to(a.conv_states, 4) || !aligned_to(a.query_start_loc, 4) ||
-      !aligned_to(a.cache_indices, 4))
-    return fail(why, "conv_states, query_start_loc and cache_indices must be aligned to their "
-                     "4-byte elements");
+  if (!aligned_to(a.conv_states, static_cast<std::size_t>(state_elem)))
+    return fail(why, str_cat("conv_states is not aligned to its ", state_elem, "-byte ",
+                             dtype_name(a.state_dtype), " elements (state_dtype)"));
+  if (!aligned_to(a.query_start_loc, 4) || !aligned_to(a.cache_indices, 4))
+    return fail(why, "query_start_loc and cache_indices must be aligned to their 4-byte elements");
   if (!aligned_to(a.entries, alignof(CheckpointEntry)))
     return fail(why, str_cat("entries is not aligned to its ", alignof(CheckpointEntry),
                              "-byte CheckpointEntry records"));
@@ -115,7 +126,7 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
     const std::uintptr_t x_end =
         x_begin + static_cast<std::uintptr_t>(((a.num_tokens - 1) * a.x_row_stride + a.dim) * 2);
     const auto s_begin = reinterpret_cast<std::uintptr_t>(a.conv_states);
-    const std::uintptr_t s_end = s_begin + static_cast<std::uintptr_t>(state_elems * 4);
+    const std::uintptr_t s_end = s_begin + static_cast<std::uintptr_t>(state_elems * state_elem);
     if (x_begin < s_end && s_begin < x_end) return fail(why, "conv_states overlaps x");
   }
 

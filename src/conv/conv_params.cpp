@@ -138,6 +138,7 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.null_block_id = args.null_block_id.value_or(0);
   p.silu = args.silu;
   p.x_dtype = args.x_dtype;
+  p.state_bf16 = args.state_dtype == DType::BF16;
 
   p.vec = tuning.vec != 0 ? tuning.vec : default_vec(args);
   p.tile = 32 * p.vec;

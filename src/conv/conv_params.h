@@ -23,7 +23,7 @@ struct PackedConvParams {
   void* out = nullptr;
   const float* weight = nullptr;
   const float* bias = nullptr;  // nullptr: acc starts at +0.0f
-  float* conv_states = nullptr;
+  void* conv_states = nullptr;  // elements of the pool's type: fp32, or bf16 with state_bf16
   const int32_t* query_start_loc = nullptr;
   const int32_t* cache_indices = nullptr;
   const bool* has_initial_state = nullptr;  // nullptr: no sequence has an initial state
@@ -42,6 +42,10 @@ struct PackedConvParams {
   bool has_null_block = false;
   bool silu = true;
   DType x_dtype = DType::BF16;
+  // The pool stores bf16 (state_dtype BF16, only with bf16 x): a line then holds the same bf16
+  // inputs an fp32 line would hold widened. A run-time flag, not a template parameter: the state
+  // moves once per sequence (packed_conv_body.cuh), so no kernel is instantiated twice for it.
+  bool state_bf16 = false;
 
   // Launch shape.
   int vec = 0;          // channels per lane

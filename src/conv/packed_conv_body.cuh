@@ -20,12 +20,14 @@
 // Each lane owns vec adjacent channels: it keeps their taps, bias and 3 history rows in
 // registers across its programs and streams each chunk's rows through a register queue of
 // kQueueRows loads in flight. The conv state (and taps of a non-dense weight layout) move
-// through the warp's staging area in memory order. The arithmetic is silu_recipe.h's.
+// through the warp's staging area in memory order; a pool of bf16 elements moves by the scalar
+// walk, widened and narrowed exactly (common/state_storage.h). The arithmetic is silu_recipe.h's.
 #pragma once
 
 #include <cstdint>
 
 #include "conv/conv_params.h"
+#include "common/state_storage.h"
 #include "common/varlen_map.h"
 #include "conv/silu_recipe.h"
 #include "kda/packed_conv.h"
@@ -243,6 +245,38 @@ struct TileStaging {
     }
   }
 
+  // The same walks for a pool of bf16 elements (PackedConvParams::state_bf16, the conv state
+  // only): the scalar walk in memory order (consecutive lanes on consecutive 2-byte elements in
+  // both the (dim, taps) and the (taps, dim) layout), each element widened exactly on the way in
+  // and rounded to nearest even on the way out. The staged values are bf16 inputs or widened
+  // bf16 taps, so the rounding changes no value (a NaN becomes the canonical 0x7FFF) and a bf16
+  // line holds the bits of the fp32 line rounded to bf16. Plain loads and stores: the same warp
+  // writes the line it read. A line moves once per sequence, so the scalar walk costs nothing
+  // that shows (vectorising it would add kernel code for no measurable gain).
+  KDA_HOST_DEVICE static KDA_INLINE void gather_bf16(float* stage, const uint16_t* base,
+                                                     int64_t stride_channel, int64_t stride_row,
+                                                     int lane) {
+    const bool rows_inner = stride_row < stride_channel;
+    KDA_UNROLL_8
+    for (int m = 0; m < kScalarPerLane; ++m) {
+      int c, r;
+      scalar_index(lane + 32 * m, rows_inner, c, r);
+      stage[r * kPitch + c] = state_bf16_to_float(base[c * stride_channel + r * stride_row]);
+    }
+  }
+
+  KDA_HOST_DEVICE static KDA_INLINE void scatter_bf16(uint16_t* base, int64_t stride_channel,
+                                                      int64_t stride_row, const float* stage,
+                                                      int lane) {
+    const bool rows_inner = stride_row < stride_channel;
+    KDA_UNROLL_8
+    for (int m = 0; m < kScalarPerLane; ++m) {
+      int c, r;
+      scalar_index(lane + 32 * m, rows_inner, c, r);
+      base[c * stride_channel + r * stride_row] = state_float_to_bf16(stage[r * kPitch + c]);
+    }
+  }
+
   // The lane's kVec channels of one staged row.
   template <class Ops>
   KDA_HOST_DEVICE static KDA_INLINE void read_lane(const Ops& ops, const float* stage, int row,
@@ -447,14 +481,23 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
     if (pc.chunk == 0) {
       // Chunk 0 starts from the state (column 2 is the most recent, column 0 the oldest) or
       // from zeros. The state's 3 columns move through rows 4..6 of the staging area.
+      // A bf16 pool (p.state_bf16, warp-uniform) takes the bf16 walks; the values staged are the
+      // same either way.
       float* const stage_state = ops.stage() + 4 * staging_pitch(kTile);
-      float* const state_tile =
-          p.conv_states + line * p.state_stride_line + tile_begin * p.state_stride_dim;
+      const int64_t state_tile_offset =
+          line * p.state_stride_line + tile_begin * p.state_stride_dim;
       const bool has_initial_state =
           p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
       if (has_initial_state) {
-        State::template gather<false>(ops, stage_state, state_tile, p.state_stride_dim,
-                                      p.state_stride_tap, lane);
+        if (p.state_bf16) {
+          State::gather_bf16(stage_state,
+                             static_cast<const uint16_t*>(p.conv_states) + state_tile_offset,
+                             p.state_stride_dim, p.state_stride_tap, lane);
+        } else {
+          State::template gather<false>(
+              ops, stage_state, static_cast<const float*>(p.conv_states) + state_tile_offset,
+              p.state_stride_dim, p.state_stride_tap, lane);
+        }
         ops.syncwarp();
         State::read_lane(ops, stage_state, 0, lane, hist.h3);
         State::read_lane(ops, stage_state, 1, lane, hist.h2);
@@ -486,7 +529,13 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
       State::write_lane(ops, stage_state, 1, lane, n2);
       State::write_lane(ops, stage_state, 2, lane, n1);
       ops.syncwarp();
-      State::scatter(ops, state_tile, p.state_stride_dim, p.state_stride_tap, stage_state, lane);
+      if (p.state_bf16) {
+        State::scatter_bf16(static_cast<uint16_t*>(p.conv_states) + state_tile_offset,
+                            p.state_stride_dim, p.state_stride_tap, stage_state, lane);
+      } else {
+        State::scatter(ops, static_cast<float*>(p.conv_states) + state_tile_offset,
+                       p.state_stride_dim, p.state_stride_tap, stage_state, lane);
+      }
       ops.syncwarp();  // the staging rows are free again for the warp's next chunk
     } else {
       row_to_f32<Traits>(ops, seed1, hist.h1);

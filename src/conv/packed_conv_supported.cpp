@@ -1,6 +1,7 @@
 // packed_causal_conv1d_supported(): which arguments the packed kernel runs bit for bit, as
 // conv::args_supported() (everything but the grid) and check_grid() of the default launch
-// shape. Reads no device memory; pointers are only checked for null and alignment.
+// shape. Reads no device memory; pointers are only checked for null and alignment. Strides are
+// in elements of each array's type (the conv states' is state_dtype).
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -58,6 +59,21 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
     return fail(why, str_cat("x_dtype has the invalid value ", dtype_value,
                              "; supported are bf16, fp16 and fp32"));
 
+  // A conv-state line holds the last 3 conv inputs of each channel. fp32 holds every x_dtype
+  // exactly; bf16 holds only bf16 inputs exactly (a bf16 line would round fp16 or fp32 inputs,
+  // and the state would no longer be the stock path's).
+  const int state_dtype_value = static_cast<int>(a.state_dtype);
+  if (state_dtype_value < static_cast<int>(DType::BF16) ||
+      state_dtype_value > static_cast<int>(DType::FP32))
+    return fail(why, str_cat("state_dtype has the invalid value ", state_dtype_value,
+                             "; supported are fp32, and bf16 with x_dtype bf16"));
+  if (a.state_dtype != DType::FP32 && a.state_dtype != DType::BF16)
+    return fail(why, str_cat("state_dtype ", dtype_name(a.state_dtype),
+                             " is not supported; conv states are fp32, or bf16 with x_dtype bf16"));
+  if (a.state_dtype == DType::BF16 && a.x_dtype != DType::BF16)
+    return fail(why, str_cat("state_dtype bf16 needs x_dtype bf16: a bf16 conv-state line would "
+                             "round the ", dtype_name(a.x_dtype), " inputs it keeps"));
+
   if (!a.x) return fail(why, "x is null");
   if (!a.weight) return fail(why, "weight is null");
   if (!a.conv_states) return fail(why, "conv_states is null");
@@ -73,10 +89,13 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
     return fail(why, str_cat("out is not aligned to its ", elem, "-byte ",
                              dtype_name(a.x_dtype), " elements"));
   if (!aligned_to(a.weight, 4) || (a.bias && !aligned_to(a.bias, 4)) ||
-      !aligned_to(a.conv_states, 4) || !aligned_to(a.query_start_loc, 4) ||
-      !aligned_to(a.cache_indices, 4))
-    return fail(why, "weight, bias, conv_states, query_start_loc and cache_indices must be "
-                     "aligned to their 4-byte elements");
+      !aligned_to(a.query_start_loc, 4) || !aligned_to(a.cache_indices, 4))
+    return fail(why, "weight, bias, query_start_loc and cache_indices must be aligned to their "
+                     "4-byte elements");
+  const std::size_t state_elem = dtype_size(a.state_dtype);
+  if (!aligned_to(a.conv_states, state_elem))
+    return fail(why, str_cat("conv_states is not aligned to its ", state_elem, "-byte ",
+                             dtype_name(a.state_dtype), " elements (state_dtype)"));
 
   if (a.num_tokens < 0) return fail(why, str_cat("num_tokens ", a.num_tokens, " is negative"));
   if (a.num_tokens > kInt32Max)

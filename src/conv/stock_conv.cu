@@ -10,6 +10,7 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
+#include "common/state_storage.h"
 #include "conv/silu_recipe.h"
 
 namespace kda::baseline {
@@ -29,7 +30,8 @@ struct StockPartParams {
   const float* weight = nullptr;  // (part_dim, 4)
   int64_t weight_stride_dim = 0, weight_stride_tap = 0;
   const float* bias = nullptr;  // (part_dim) or nullptr
-  float* states = nullptr;      // (num_cache_lines, part_dim, >= 3)
+  void* states = nullptr;       // (num_cache_lines, part_dim, >= 3), fp32 or bf16 elements
+  bool states_bf16 = false;     // state_dtype BF16: taps widen on load, round back on store
   int64_t num_cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   const int32_t* query_start_loc = nullptr;  // (num_seqs + 1)
@@ -101,13 +103,15 @@ __global__ void conv_fp32_kernel(StockPartParams p) {
     if (line < 0) continue;
     const int64_t begin = p.query_start_loc[s];
     const bool init = has_initial_state(p, s);
-    const float* st = p.states + line * p.state_stride_line + c * p.state_stride_dim;
+    const int64_t st = line * p.state_stride_line + c * p.state_stride_dim;
     // h[k] is local token (t - begin) - 3 + k; before the sequence it is state tap 3 + j.
     float h[4];
     for (int k = 0; k < 4; ++k) {
       const int64_t j = t - begin - 3 + k;
       h[k] = j >= 0 ? p.x32[(begin + j) * p.part_dim + c]
-                    : (init ? st[(3 + j) * p.state_stride_tap] : 0.0f);
+                    : (init ? load_state_elem(p.states, st + (3 + j) * p.state_stride_tap,
+                                              p.states_bf16)
+                            : 0.0f);
     }
     float acc = conv::conv4_tap_fma(h[0], h[1], h[2], h[3], w0, w1, w2, w3, acc0);
     if (p.silu) acc = conv::silu_stock(acc);
@@ -127,15 +131,19 @@ __global__ void update_state_kernel(StockPartParams p) {
     if (line < 0) continue;
     const int64_t len = end - begin;
     const bool init = has_initial_state(p, s);
-    float* st = p.states + line * p.state_stride_line + c * p.state_stride_dim;
-    // New tap k is local token len - 3 + k; before the sequence it is old tap k + len.
+    const int64_t st = line * p.state_stride_line + c * p.state_stride_dim;
+    // New tap k is local token len - 3 + k; before the sequence it is old tap k + len. Every
+    // value is a widened bf16 input or tap, so a bf16 line's rounding store changes no value.
     float next[3];
     for (int k = 0; k < 3; ++k) {
       const int64_t j = len - 3 + k;
       next[k] = j >= 0 ? p.x32[(begin + j) * p.part_dim + c]
-                       : (init ? st[(k + len) * p.state_stride_tap] : 0.0f);
+                       : (init ? load_state_elem(p.states, st + (k + len) * p.state_stride_tap,
+                                                 p.states_bf16)
+                               : 0.0f);
     }
-    for (int k = 0; k < 3; ++k) st[k * p.state_stride_tap] = next[k];
+    for (int k = 0; k < 3; ++k)
+      store_state_elem(p.states, st + k * p.state_stride_tap, next[k], p.states_bf16);
   }
 }
 
@@ -192,7 +200,8 @@ void run_parts(const PackedConvArgs& a, void* workspace, Stream stream) {
     p.weight_stride_dim = a.weight_stride_dim;
     p.weight_stride_tap = a.weight_stride_tap;
     p.bias = a.bias ? a.bias + ch0 : nullptr;
-    p.states = a.conv_states + ch0 * a.state_stride_dim;
+    p.states_bf16 = a.state_dtype == DType::BF16;
+    p.states = state_elem_ptr(a.conv_states, ch0 * a.state_stride_dim, p.states_bf16);
     p.num_cache_lines = a.num_cache_lines;
     p.state_stride_line = a.state_stride_line;
     p.state_stride_dim = a.state_stride_dim;

@@ -4,6 +4,8 @@
 //   2. FP32 conv into a dense FP32 output, then a separate kernel updates the conv states
 //      (stream order puts every read of the old state before the write),
 //   3. cast the FP32 output back to x_dtype into the plane, rows the conv produced only.
+// The conv state is fp32 or bf16 (state_dtype, docs/stock-conv.md): a tap widens exactly on
+// load; the new taps, bf16 inputs or old taps, round back to bf16 without changing value.
 // It is the benchmark's baseline and the bit-exact reference of the GPU tests, so it is kept
 // plain and separate from the packed kernel; only the per-element arithmetic
 // (conv/silu_recipe.h) is shared.

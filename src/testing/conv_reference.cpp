@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "common/half_host.h"
+#include "common/state_storage.h"
 #include "conv/silu_recipe.h"
 
 namespace kda::reference {
@@ -37,6 +38,11 @@ void store_output(const PackedConvArgs& a, int64_t plane_stride, int64_t token, 
 void validate(const PackedConvArgs& a) {
   KDA_CHECK(a.x_dtype == DType::BF16 || a.x_dtype == DType::FP16 || a.x_dtype == DType::FP32,
             kFn, "x_dtype ", static_cast<int>(a.x_dtype), " is not one of bf16, fp16, fp32");
+  KDA_CHECK(a.state_dtype == DType::FP32 || a.state_dtype == DType::BF16, kFn, "state_dtype ",
+            static_cast<int>(a.state_dtype), " is not one of fp32, bf16");
+  KDA_CHECK(a.state_dtype == DType::FP32 || a.x_dtype == DType::BF16, kFn,
+            "state_dtype bf16 needs x_dtype bf16 (a bf16 line would round ", dtype_name(a.x_dtype),
+            " inputs)");
   KDA_CHECK(a.num_tokens >= 0, kFn, "num_tokens is ", a.num_tokens, ", expected >= 0");
   KDA_CHECK(a.num_seqs >= 0, kFn, "num_seqs is ", a.num_seqs, ", expected >= 0");
   KDA_CHECK(a.part_dim > 0, kFn, "part_dim is ", a.part_dim, ", expected > 0");
@@ -95,11 +101,15 @@ void causal_conv1d(const PackedConvArgs& a, ConvMath math) {
     const int32_t line = a.cache_indices[s * a.cache_indices_stride];
     if (len == 0 || skipped(a, line)) continue;
     const bool init = a.has_initial_state && a.has_initial_state[s];
-    float* state_line = a.conv_states + line * a.state_stride_line;
+    const bool bf16_state = a.state_dtype == DType::BF16;
+    const int64_t state_line = line * a.state_stride_line;  // in elements of the pool's type
     // ext(c, k) is channel c of local token k - 3: three history values, then the inputs.
     auto ext = [&](int64_t c, int64_t k) -> float {
       if (k >= 3) return load_input(a, begin + k - 3, c);
-      return init ? state_line[c * a.state_stride_dim + k * a.state_stride_tap] : 0.0f;
+      return init ? load_state_elem(a.conv_states,
+                                    state_line + c * a.state_stride_dim + k * a.state_stride_tap,
+                                    bf16_state)
+                  : 0.0f;
     };
     // Tokens outer, channels inner: x is read row by row.
     for (int64_t i = 0; i < len; ++i)
@@ -111,7 +121,10 @@ void causal_conv1d(const PackedConvArgs& a, ConvMath math) {
     // any is written, and the outputs above read the old state before this.
     for (int64_t c = 0; c < a.dim; ++c) {
       const float next[3] = {ext(c, len), ext(c, len + 1), ext(c, len + 2)};
-      for (int k = 0; k < 3; ++k) state_line[c * a.state_stride_dim + k * a.state_stride_tap] = next[k];
+      for (int k = 0; k < 3; ++k)
+        store_state_elem(a.conv_states,
+                         state_line + c * a.state_stride_dim + k * a.state_stride_tap, next[k],
+                         bf16_state);
     }
   }
 }

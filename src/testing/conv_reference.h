@@ -19,6 +19,9 @@ enum class ConvMath {
 // Runs the conv described by `host_args` on the host. Every pointer in host_args is a HOST
 // pointer; shapes, element strides, skipping rules and out_plane_stride mean exactly what they
 // mean for kda::packed_causal_conv1d (a null has_initial_state means no sequence has one).
+// The conv states are fp32 or bf16 (state_dtype; bf16 only with bf16 x, as the kernel): taps
+// widen exactly on load; the new taps, bf16 inputs or old taps, round back to bf16 (nearest even)
+// without changing value.
 // Writes the output rows of the sequences it runs and the
 // first three taps of their state lines, nothing else. Sequences run in batch order, each
 // reading its whole old state before writing the new one.

@@ -73,13 +73,15 @@ struct Host {
   std::vector<CheckpointEntry> entries;
   int64_t used_entries = 0;
 
-  ConvCheckpointArgs args(float* states) const {
+  // Over `states`, a pool of this problem's shape whose elements are fp32 or bf16.
+  ConvCheckpointArgs args(void* states, kda::DType state_dtype = kda::DType::FP32) const {
     ConvCheckpointArgs a;
     a.x = x.data();
     a.x_row_stride = x_stride;
     a.num_tokens = tokens;
     a.dim = dim;
     a.conv_states = states;
+    a.state_dtype = state_dtype;
     a.num_cache_lines = lines;
     a.state_stride_line = sl;
     a.state_stride_dim = sd;
@@ -219,9 +221,12 @@ Host make_host(const Case& cs, uint64_t seed) {
   return h;
 }
 
-// Runs the body over every (entry, channel, tap), as the kernel does, on `pool`.
-void run_body(const Host& h, std::vector<float>& pool) {
-  const ConvCheckpointArgs a = h.args(pool.data());
+// Runs the body over every (entry, channel, tap), as the kernel does, on `pool` (fp32 elements,
+// or bf16 bits).
+template <typename T>
+void run_body(const Host& h, std::vector<T>& pool) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "an fp32 or a bf16 pool");
+  const ConvCheckpointArgs a = h.args(pool.data(), sizeof(T) == 2 ? kda::DType::BF16 : kda::DType::FP32);
   for (int64_t i = 0; i < a.max_entries; ++i) {
     const kda::conv::CheckpointSource s = kda::conv::checkpoint_source(a, i);
     for (int64_t c = 0; c < a.dim; ++c)
@@ -231,14 +236,16 @@ void run_body(const Host& h, std::vector<float>& pool) {
 
 // The pool the op must leave: for every used entry, its line's taps 0..2 are those the CPU
 // conv reference leaves on the sequence's line after running the sequence's first `end` rows
-// alone (on a copy of the original pool); every other element as it was.
-std::vector<float> expected_pool(const Host& h) {
-  std::vector<float> want = h.pool;
+// alone (on a copy of the original pool); every other element as it was. `start` is the
+// original pool: h.pool (fp32), or bf16 bits of the same shape.
+template <typename T>
+std::vector<T> expected_pool(const Host& h, const std::vector<T>& start) {
+  std::vector<T> want = start;
   const std::vector<float> weight(static_cast<std::size_t>(h.dim * 4), 0.0f);
   std::vector<uint16_t> out(static_cast<std::size_t>(std::max<int64_t>(h.tokens * h.dim, 1)));
   for (const CheckpointEntry& e : h.entries) {
     if (e.line < 0) continue;
-    std::vector<float> pool = h.pool;
+    std::vector<T> pool = start;
     const int32_t bos = h.qsl[static_cast<std::size_t>(e.seq)];
     const int32_t qsl[2] = {bos, bos + e.end};
     const int32_t line = h.cache[static_cast<std::size_t>(e.seq)];
@@ -251,6 +258,7 @@ std::vector<float> expected_pool(const Host& h) {
     a.x_row_stride = h.x_stride;
     a.weight = weight.data();
     a.conv_states = pool.data();
+    a.state_dtype = sizeof(T) == 2 ? kda::DType::BF16 : kda::DType::FP32;
     a.num_cache_lines = h.lines;
     a.state_len = h.cs.state_len;
     a.state_stride_line = h.sl;
@@ -317,7 +325,7 @@ Outcome check_case(const Case& cs, uint64_t seed) {
   std::vector<float> got = h.pool;
   REQUIRE_MESSAGE(kda::conv_checkpoint_supported(h.args(got.data()), &why), what, ": unsupported: ", why);
   run_body(h, got);
-  const std::vector<float> want = expected_pool(h);
+  const std::vector<float> want = expected_pool(h, h.pool);
   const Outcome o = compare(h, got, want);
   MESSAGE(what << ": " << o.checkpoint_taps << " checkpoint taps, " << o.checkpoint_elements << " differ ("
                << o.checkpoint_bits << " bits) from the reference; " << o.other_elements
@@ -335,14 +343,17 @@ T* fake_pointer(std::uintptr_t slot, std::uintptr_t byte_offset = 0) {
   return reinterpret_cast<T*>((slot << 40) + byte_offset);
 }
 
-// The seed-scale module's arguments: 3 x 1536 channels of the 4928-wide in_proj output.
+// The seed-scale module's arguments: 3 x 1536 channels of the 4928-wide in_proj output, a pool
+// of 17 (lines, dim, 3) lines.
+constexpr int64_t kModulePoolElements = 17 * 3 * (3 * 1536);
+
 ConvCheckpointArgs module_args() {
   ConvCheckpointArgs a;
   a.x = fake_pointer<const void>(1);
   a.x_row_stride = 4928;
   a.num_tokens = 2048;
   a.dim = 3 * 1536;
-  a.conv_states = fake_pointer<float>(2);
+  a.conv_states = fake_pointer<void>(2);
   a.num_cache_lines = 17;
   a.state_stride_line = 3 * a.dim;
   a.state_stride_dim = 3;
@@ -414,6 +425,81 @@ TEST_CASE("checkpoints equal the reference's state of the truncated sequence, bi
   CHECK(bits == 0);
   CHECK(others == 0);
   CHECK(taps > 0);
+}
+
+// The bf16 bits of a pool whose elements are all bf16 values (their top halves).
+std::vector<uint16_t> top_halves(const std::vector<float>& pool) {
+  std::vector<uint16_t> bits(pool.size());
+  for (std::size_t i = 0; i < pool.size(); ++i) bits[i] = static_cast<uint16_t>(host::float_bits(pool[i]) >> 16);
+  return bits;
+}
+
+TEST_CASE("checkpoints on bf16 lines are the fp32 lines' checkpoints rounded to bf16, bit for bit") {
+  // A checkpoint value is a bf16 input or an old tap of the same pool, so a bf16 line holds it
+  // exactly: the bf16 run's taps are the fp32 run's rounded to nearest even (exact for every
+  // value; a NaN becomes the canonical 0x7FFF, as the rounding store gives). The bf16 run is
+  // also compared with the CPU reference run on bf16 lines, and nothing else of the pool changes.
+  const std::vector<int32_t> awkward = {1, 2, 3, 64, 130, 4, 65, 0, 63, 128, 129};
+  const int64_t dims[] = {77, 5, 3 * 40 + 1, 64};
+  int64_t taps = 0, rounded_bits = 0, reference_bits = 0, unwritten = 0, others = 0;
+  for (int i = 0; i < 8; ++i) {
+    Case cs;
+    cs.dim = dims[i % 4];
+    cs.row_pad = (i % 3) * 7;
+    cs.state_len = 3 + i % 2;
+    cs.line_pad = i < 4 ? 0 : 5;
+    cs.tap_dim = (i / 2) % 2 == 1;  // (lines, taps, dim) and (lines, dim, taps), both state lengths
+    cs.init_frac = i % 3 == 0 ? 1.0 : 0.5;
+    cs.lens = awkward;
+    std::shuffle(cs.lens.begin(), cs.lens.end(), std::mt19937_64(3000 + i));
+    cs.seq_pad = i % 3;
+    cs.token_pad = (i % 4) * 9;
+    cs.entry_pad = i % 5;
+    cs.null_frac = i % 4 == 3 ? 0.2 : 0.0;
+    Host h = make_host(cs, 9000 + i);
+    // Both runs start from the same values: every pool element cut to its top half (the odd
+    // patterns stay NaNs, infinities, -0 and zeros; the checkpoint lines' fill is the bf16 NaN
+    // 0xFFFF, which no write leaves).
+    for (float& v : h.pool) v = host::bits_float(host::float_bits(v) & 0xFFFF0000u);
+    const std::vector<uint16_t> start16 = top_halves(h.pool);
+    std::vector<float> got32 = h.pool;
+    std::vector<uint16_t> got16 = start16;
+    std::string why;
+    REQUIRE_MESSAGE(kda::conv_checkpoint_supported(h.args(got16.data(), kda::DType::BF16), &why), why);
+    run_body(h, got32);
+    run_body(h, got16);
+    const std::vector<uint16_t> want16 = expected_pool(h, start16);
+
+    std::vector<unsigned char> is_tap(h.pool.size(), 0);
+    for (const CheckpointEntry& e : h.entries) {
+      if (e.line < 0) continue;
+      for (int64_t c = 0; c < h.dim; ++c)
+        for (int64_t k = 0; k < 3; ++k) is_tap[h.at(e.line, c, k)] = 1;
+    }
+    int64_t case_taps = 0, case_rounded = 0, case_reference = 0, case_unwritten = 0, case_others = 0;
+    for (std::size_t j = 0; j < got16.size(); ++j) {
+      case_reference += kda::detail::diff_bits(&got16[j], &want16[j], 2);
+      if (is_tap[j]) {
+        ++case_taps;
+        const uint16_t rounded = host::float_to_bf16(got32[j]);
+        case_rounded += kda::detail::diff_bits(&got16[j], &rounded, 2);
+        case_unwritten += got16[j] == kda::test::kPoison16;
+      } else {
+        case_others += got16[j] != start16[j];
+      }
+    }
+    MESSAGE(describe(h) << ", bf16 lines: " << case_taps << " checkpoint taps, " << case_rounded
+                        << " bits differ from the fp32 run's rounded, " << case_reference
+                        << " pool bits from the reference on bf16 lines, " << case_unwritten << " taps unwritten, "
+                        << case_others << " other elements changed");
+    taps += case_taps, rounded_bits += case_rounded, reference_bits += case_reference;
+    unwritten += case_unwritten, others += case_others;
+  }
+  CHECK(taps > 0);
+  CHECK(rounded_bits == 0);
+  CHECK(reference_bits == 0);
+  CHECK(unwritten == 0);
+  CHECK(others == 0);
 }
 
 TEST_CASE("a checkpoint at the sequence's last row equals the line the reference conv leaves") {
@@ -616,6 +702,22 @@ TEST_CASE("conv_checkpoint_supported accepts the module's arguments and clears t
     a.num_seqs = 0;
     CHECK(why_not(a) == "supported");
   }
+  SUBCASE("a bf16 pool in both layouts, on a 2-byte boundary") {
+    a.state_dtype = kda::DType::BF16;
+    CHECK(why_not(a) == "supported");
+    a.state_stride_dim = 1;
+    a.state_stride_tap = a.dim;
+    a.conv_states = fake_pointer<void>(2, 2);
+    CHECK(why_not(a) == "supported");
+  }
+  SUBCASE("a bf16 pool just below x, where an fp32 pool of the same lines would reach into x") {
+    // The overlap check counts the pool's bytes in its own element size.
+    a.state_dtype = kda::DType::BF16;
+    a.conv_states = fake_pointer<void>(1, -(kModulePoolElements * 4) + 4);
+    CHECK(why_not(a) == "supported");
+    a.state_dtype = kda::DType::FP32;
+    CHECK(why_not(a) == "conv_states overlaps x");
+  }
 }
 
 TEST_CASE("conv_checkpoint_supported refuses bad arguments with their reason, and conv_checkpoint throws it") {
@@ -663,13 +765,31 @@ TEST_CASE("conv_checkpoint_supported refuses bad arguments with their reason, an
       {"null entries", [](ConvCheckpointArgs& a) { a.entries = nullptr; }, "entries is null"},
       {"misaligned x", [](ConvCheckpointArgs& a) { a.x = fake_pointer<const void>(1, 1); },
        "x is not aligned to its 2-byte bf16 elements"},
-      {"misaligned conv_states", [](ConvCheckpointArgs& a) { a.conv_states = fake_pointer<float>(2, 2); },
-       "conv_states, query_start_loc and cache_indices must be aligned to their 4-byte elements"},
+      {"an invalid state_dtype value", [](ConvCheckpointArgs& a) { a.state_dtype = static_cast<kda::DType>(5); },
+       "state_dtype has the invalid value 5; supported are fp32 and bf16"},
+      {"fp16 conv states", [](ConvCheckpointArgs& a) { a.state_dtype = kda::DType::FP16; },
+       "state_dtype fp16 is not supported; conv states are fp32 or bf16"},
+      {"an fp32 pool on a bf16 element boundary", [](ConvCheckpointArgs& a) { a.conv_states = fake_pointer<void>(2, 2); },
+       "conv_states is not aligned to its 4-byte fp32 elements (state_dtype)"},
+      {"a bf16 pool on an odd address",
+       [](ConvCheckpointArgs& a) {
+         a.state_dtype = kda::DType::BF16;
+         a.conv_states = fake_pointer<void>(2, 1);
+       },
+       "conv_states is not aligned to its 2-byte bf16 elements (state_dtype)"},
       {"misaligned cache_indices", [](ConvCheckpointArgs& a) { a.cache_indices = fake_pointer<const int32_t>(4, 2); },
-       "conv_states, query_start_loc and cache_indices must be aligned to their 4-byte elements"},
+       "query_start_loc and cache_indices must be aligned to their 4-byte elements"},
       {"misaligned entries", [](ConvCheckpointArgs& a) { a.entries = fake_pointer<const CheckpointEntry>(6, 4); },
        "entries is not aligned to its 16-byte CheckpointEntry records"},
-      {"pool overlapping x", [](ConvCheckpointArgs& a) { a.conv_states = fake_pointer<float>(1, 4096); },
+      {"pool overlapping x", [](ConvCheckpointArgs& a) { a.conv_states = fake_pointer<void>(1, 4096); },
+       "conv_states overlaps x"},
+      {"a bf16 pool overlapping x", [](ConvCheckpointArgs& a) {
+         a.state_dtype = kda::DType::BF16;
+         a.conv_states = fake_pointer<void>(1, 4096);
+       },
+       "conv_states overlaps x"},
+      {"an fp32 pool whose last element reaches x",
+       [](ConvCheckpointArgs& a) { a.conv_states = fake_pointer<void>(1, -(kModulePoolElements * 4) + 4); },
        "conv_states overlaps x"},
   };
   for (const Bad& b : bad) {

@@ -432,6 +432,38 @@ TEST_CASE("the reference reads bf16 and fp16 inputs exactly and ignores padding 
   }
 }
 
+TEST_CASE("the reference on bf16 conv-state lines: the fp32 lines' results, the taps stored as bf16") {
+  // Every tap the digits batch reads or writes is a small integer, exact in bf16; the inputs are
+  // bf16. So the bf16 lines must give the fp32 lines' outputs bit for bit and hold the fp32
+  // lines' taps rounded to bf16 (here: exactly).
+  for (int64_t state_len : {3, 4}) {
+    for (bool transposed : {false, true}) {
+      CAPTURE(state_len);
+      CAPTURE(transposed);
+      HostConv h;
+      h.dtype = DType::BF16;
+      make_digits(h, state_len, transposed);
+      std::vector<uint16_t> lines16(h.states.size());
+      for (std::size_t i = 0; i < h.states.size(); ++i) lines16[i] = host::float_to_bf16(h.states[i]);
+      HostConv f;
+      f.dtype = DType::BF16;
+      make_digits(f, state_len, transposed);
+      kda::reference::causal_conv1d(f.args());
+      PackedConvArgs a = h.args();
+      a.conv_states = lines16.data();
+      a.state_dtype = DType::BF16;
+      kda::reference::causal_conv1d(a);
+      CHECK(h.out == f.out);
+      int64_t differ = 0;
+      for (std::size_t i = 0; i < lines16.size(); ++i) differ += lines16[i] != host::float_to_bf16(f.states[i]);
+      CHECK(differ == 0);
+      // And the widened bf16 lines are the hand-computed taps (the fp32 pool h.states was not used).
+      for (std::size_t i = 0; i < lines16.size(); ++i) h.states[i] = host::bf16_to_float(lines16[i]);
+      check_digits_states(h);
+    }
+  }
+}
+
 TEST_CASE("the reference rejects malformed arguments and writes nothing") {
   HostConv h;
   make_digits(h, 3, false);
@@ -467,6 +499,15 @@ TEST_CASE("the reference rejects malformed arguments and writes nothing") {
   SUBCASE("null arrays") {
     a.cache_indices = nullptr;
     CHECK_THROWS_WITH_AS(run(a), doctest::Contains("must be non-null"), kda::Error);
+  }
+  SUBCASE("bf16 conv-state lines with fp16 inputs") {
+    a.x_dtype = DType::FP16;
+    a.state_dtype = DType::BF16;
+    CHECK_THROWS_WITH_AS(run(a), doctest::Contains("state_dtype bf16 needs x_dtype bf16"), kda::Error);
+  }
+  SUBCASE("fp16 conv-state lines") {
+    a.state_dtype = DType::FP16;
+    CHECK_THROWS_WITH_AS(run(a), doctest::Contains("state_dtype 1 is not one of fp32, bf16"), kda::Error);
   }
   SUBCASE("the function is named") {
     a.state_len = 1;

@@ -34,7 +34,7 @@ kda::PackedConvArgs kda_args() {
   a.weight_stride_dim = 4;
   a.weight_stride_tap = 1;
   a.bias = nullptr;
-  a.conv_states = fake_pointer<float>(3);
+  a.conv_states = fake_pointer<void>(3);
   a.num_cache_lines = 17;
   a.state_len = 3;
   a.state_stride_line = a.dim * 3;
@@ -113,6 +113,15 @@ TEST_CASE("well-formed variants are supported") {
     a.state_stride_line = 3 * a.dim;
     CHECK(why_not(a) == "supported");
   }
+  SUBCASE("bf16 conv-state lines in both layouts, 2-byte aligned") {
+    a.state_dtype = kda::DType::BF16;
+    CHECK(why_not(a) == "supported");
+    a.state_stride_dim = 1;
+    a.state_stride_tap = a.dim;
+    CHECK(why_not(a) == "supported");
+    a.conv_states = fake_pointer<void>(3, 2);  // a bf16 element boundary, not an fp32 one
+    CHECK(why_not(a) == "supported");
+  }
   SUBCASE("an empty batch") {
     a.num_tokens = 0;
     CHECK(why_not(a) == "supported");
@@ -128,6 +137,35 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
   SUBCASE("an invalid dtype value") {
     a.x_dtype = static_cast<kda::DType>(7);
     expected = "x_dtype has the invalid value 7; supported are bf16, fp16 and fp32";
+  }
+  SUBCASE("an invalid state_dtype value") {
+    a.state_dtype = static_cast<kda::DType>(9);
+    expected = "state_dtype has the invalid value 9; supported are fp32, and bf16 with x_dtype bf16";
+  }
+  SUBCASE("fp16 conv states") {
+    a.state_dtype = kda::DType::FP16;
+    expected = "state_dtype fp16 is not supported; conv states are fp32, or bf16 with x_dtype bf16";
+  }
+  SUBCASE("bf16 conv states with fp16 inputs") {
+    a.x_dtype = kda::DType::FP16;
+    a.state_dtype = kda::DType::BF16;
+    expected = "state_dtype bf16 needs x_dtype bf16: a bf16 conv-state line would round the fp16 "
+               "inputs it keeps";
+  }
+  SUBCASE("bf16 conv states with fp32 inputs") {
+    a.x_dtype = kda::DType::FP32;
+    a.state_dtype = kda::DType::BF16;
+    expected = "state_dtype bf16 needs x_dtype bf16: a bf16 conv-state line would round the fp32 "
+               "inputs it keeps";
+  }
+  SUBCASE("a bf16 pool on an odd address") {
+    a.state_dtype = kda::DType::BF16;
+    a.conv_states = fake_pointer<void>(3, 1);
+    expected = "conv_states is not aligned to its 2-byte bf16 elements (state_dtype)";
+  }
+  SUBCASE("an fp32 pool on a bf16 element boundary") {
+    a.conv_states = fake_pointer<void>(3, 2);
+    expected = "conv_states is not aligned to its 4-byte fp32 elements (state_dtype)";
   }
   SUBCASE("null x") { a.x = nullptr; expected = "x is null"; }
   SUBCASE("null weight") { a.weight = nullptr; expected = "weight is null"; }
@@ -149,7 +187,8 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
   }
   SUBCASE("a misaligned weight") {
     a.weight = fake_pointer<const float>(2, 2);
-    expected = "must be aligned to their 4-byte elements";
+    expected = "weight, bias, query_start_loc and cache_indices must be aligned to their 4-byte "
+               "elements";
   }
   SUBCASE("negative num_tokens") { a.num_tokens = -1; expected = "num_tokens -1 is negative"; }
   SUBCASE("num_tokens beyond int32") {
@@ -356,6 +395,15 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   SUBCASE("no null block") {
     a.null_block_id.reset();
     CHECK_FALSE(kda::conv::make_params(a).has_null_block);
+  }
+  SUBCASE("the conv-state element type is carried as a flag, with the same launch shape") {
+    CHECK_FALSE(p.state_bf16);
+    a.state_dtype = kda::DType::BF16;
+    const kda::conv::PackedConvParams q = kda::conv::make_params(a);
+    CHECK(q.state_bf16);
+    CHECK(q.conv_states == a.conv_states);
+    CHECK(q.vec == p.vec);
+    CHECK(q.num_ctas == p.num_ctas);
   }
   SUBCASE("4 warps per CTA from 4096 tokens of capacity") {
     a.num_tokens = 4096;

@@ -25,6 +25,7 @@
 
 #include "support/emu_barrier.h"
 #include "common/half_host.h"
+#include "common/state_storage.h"
 #include "conv/conv_params.h"
 #include "testing/conv_reference.h"
 #include "conv/packed_conv_body.cuh"
@@ -154,7 +155,8 @@ struct Problem {
   int64_t num_tokens = 0, dim = 0, part_dim = 0, x_row_stride = 0, out_plane_stride = 0;
   int64_t num_cache_lines = 0, state_len = 3;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
-  int64_t state_offset = 0;  // floats before line 0 (misaligns the state when odd)
+  int64_t state_offset = 0;  // elements before line 0 (misaligns the state when odd)
+  bool state_bf16 = false;   // the pool holds bf16 (state_dtype BF16); `state` then holds its values
   int64_t weight_stride_dim = 4, weight_stride_tap = 1;
   int64_t cache_stride = 1;
   bool silu = true, bias = false, flags = true;
@@ -181,8 +183,16 @@ std::vector<char> pack_x(const Problem& pr) {
   return bytes;
 }
 
-kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes,
-                             std::vector<float>& state, std::vector<char>& out) {
+// The bf16 bits of pr.state, whose values fill() made bf16 values (exact).
+std::vector<uint16_t> bf16_pool(const Problem& pr) {
+  std::vector<uint16_t> bits(pr.state.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) bits[i] = kda::host::float_to_bf16(pr.state[i]);
+  return bits;
+}
+
+// Arguments over `pool`, the problem's pool: fp32 elements, or bf16 bits with bf16 == true.
+kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes, void* pool,
+                             bool bf16, std::vector<char>& out) {
   kda::PackedConvArgs a;
   a.x = x_bytes.data();
   a.x_dtype = pr.dtype;
@@ -193,7 +203,8 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
   a.weight_stride_dim = pr.weight_stride_dim;
   a.weight_stride_tap = pr.weight_stride_tap;
   a.bias = pr.bias ? pr.bias_v.data() : nullptr;
-  a.conv_states = state.data() + pr.state_offset;
+  a.conv_states = kda::state_elem_ptr(pool, pr.state_offset, bf16);
+  a.state_dtype = bf16 ? DType::BF16 : DType::FP32;
   a.num_cache_lines = pr.num_cache_lines;
   a.state_len = pr.state_len;
   a.state_stride_line = pr.state_stride_line;
@@ -214,8 +225,7 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
 
 template <DType kDType, int kVec>
 void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>& x_bytes,
-                  const Problem& pr, const std::vector<float>& state,
-                  const std::vector<char>& out, int64_t& bad_access) {
+                  const Problem& pr, Range state, const std::vector<char>& out, int64_t& bad_access) {
   using Traits = kda::conv::PackedConvTraits<kDType, kVec>;
   Warp warp;
   warp.stage_storage.resize(static_cast<std::size_t>(kda::conv::staging_floats_per_warp(Traits::kTile)) / 4 + 1);
@@ -226,7 +236,7 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
   warp.qsl = range_of(pr.qsl);
   warp.cache = range_of(pr.cache);
   warp.flags = range_of(pr.init);
-  warp.state = range_of(state);
+  warp.state = state;
   warp.stage = range_of(warp.stage_storage);
 
   // Every (CTA program group, plane, column block) of the grid, one after another on one
@@ -261,8 +271,7 @@ void run_instance(const kda::conv::PackedConvParams& p, const std::vector<char>&
 
 template <DType kDType>
 void run_for_vec(const kda::conv::PackedConvParams& p, const std::vector<char>& x_bytes,
-                 const Problem& pr, const std::vector<float>& state, const std::vector<char>& out,
-                 int64_t& bad) {
+                 const Problem& pr, Range state, const std::vector<char>& out, int64_t& bad) {
   switch (p.vec) {
     case 8: return run_instance<kDType, 8>(p, x_bytes, pr, state, out, bad);
     case 4: return run_instance<kDType, 4>(p, x_bytes, pr, state, out, bad);
@@ -288,47 +297,70 @@ void fill(Problem& pr, uint64_t seed) {
   for (auto& b : pr.bias_v) b = normal(rng);
   const int64_t line_extent = (pr.dim - 1) * pr.state_stride_dim + (pr.state_len - 1) * pr.state_stride_tap + 1;
   pr.state.resize(static_cast<std::size_t>(pr.state_offset + (pr.num_cache_lines - 1) * pr.state_stride_line + line_extent + 5));
-  for (auto& s : pr.state) s = normal(rng);
+  for (auto& s : pr.state) s = pr.state_bf16 ? kda::host::bf16_round(normal(rng)) : normal(rng);
   const int64_t planes = pr.dim / pr.part_dim;
   const int64_t plane_stride = pr.out_plane_stride ? pr.out_plane_stride : pr.num_tokens * pr.part_dim;
   pr.out.assign(static_cast<std::size_t>(((planes - 1) * plane_stride + pr.num_tokens * pr.part_dim) * static_cast<int64_t>(pr.elem())), static_cast<char>(0xFF));  // NaN poison
 }
 
 // Runs the emulated kernel and the reference on copies of the same buffers; returns the
-// differing output bytes and state floats.
+// differing output bytes and state elements. A bf16-state problem also runs the emulation on an
+// fp32 pool of the same values: the bf16 run's outputs must be its outputs and its taps its
+// taps rounded to bf16 (exact: they are bf16 inputs and old bf16 taps).
 struct Outcome {
   int64_t out_diff = 0, state_diff = 0, bad_access = 0, out_written = 0, state_written = 0;
+  int64_t fp32_out_diff = 0, fp32_state_diff = 0;  // bf16 state only: vs the fp32-pool run
 };
+
+// The emulated kernel over the problem with `pool` (whose bytes `state` spans) as its state.
+void run_emulation(const Problem& pr, const kda::conv::ConvTuning& tuning, const std::vector<char>& x_bytes,
+                   void* pool, bool bf16, Range state, std::vector<char>& out, int64_t& bad_access) {
+  const kda::PackedConvArgs a = args_for(pr, x_bytes, pool, bf16, out);
+  std::string why;
+  REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(a, &why), why);
+  REQUIRE_MESSAGE(kda::conv::check_tuning(a, tuning).empty(), kda::conv::check_tuning(a, tuning));
+  const kda::conv::PackedConvParams p = kda::conv::make_params(a, tuning);
+  REQUIRE(p.state_bf16 == bf16);
+  if (pr.num_tokens == 0 || a.num_seqs == 0) return;
+  switch (pr.dtype) {
+    case DType::BF16: run_for_vec<DType::BF16>(p, x_bytes, pr, state, out, bad_access); break;
+    case DType::FP16: run_for_vec<DType::FP16>(p, x_bytes, pr, state, out, bad_access); break;
+    case DType::FP32: run_for_vec<DType::FP32>(p, x_bytes, pr, state, out, bad_access); break;
+  }
+}
 
 Outcome compare(const Problem& pr, const kda::conv::ConvTuning& tuning) {
   const std::vector<char> x_bytes = pack_x(pr);
   std::vector<float> state_emu = pr.state, state_ref = pr.state;
   std::vector<char> out_emu = pr.out, out_ref = pr.out;
 
-  const kda::PackedConvArgs a_emu = args_for(pr, x_bytes, state_emu, out_emu);
-  std::string why;
-  REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(a_emu, &why), why);
-  REQUIRE_MESSAGE(kda::conv::check_tuning(a_emu, tuning).empty(), kda::conv::check_tuning(a_emu, tuning));
-  const kda::conv::PackedConvParams p = kda::conv::make_params(a_emu, tuning);
-
   Outcome o;
-  if (pr.num_tokens > 0 && a_emu.num_seqs > 0) {
-    switch (pr.dtype) {
-      case DType::BF16: run_for_vec<DType::BF16>(p, x_bytes, pr, state_emu, out_emu, o.bad_access); break;
-      case DType::FP16: run_for_vec<DType::FP16>(p, x_bytes, pr, state_emu, out_emu, o.bad_access); break;
-      case DType::FP32: run_for_vec<DType::FP32>(p, x_bytes, pr, state_emu, out_emu, o.bad_access); break;
+  if (!pr.state_bf16) {
+    run_emulation(pr, tuning, x_bytes, state_emu.data(), false, range_of(state_emu), out_emu, o.bad_access);
+    kda::reference::causal_conv1d(args_for(pr, x_bytes, state_ref.data(), false, out_ref),
+                                  kda::reference::ConvMath::kStockFp32);
+    for (std::size_t i = 0; i < state_emu.size(); ++i) {
+      if (std::memcmp(&state_emu[i], &state_ref[i], 4) != 0) ++o.state_diff;
+      if (std::memcmp(&state_ref[i], &pr.state[i], 4) != 0) ++o.state_written;
     }
+  } else {
+    const std::vector<uint16_t> start16 = bf16_pool(pr);
+    std::vector<uint16_t> emu16 = start16, ref16 = start16;
+    run_emulation(pr, tuning, x_bytes, emu16.data(), true, range_of(emu16), out_emu, o.bad_access);
+    kda::reference::causal_conv1d(args_for(pr, x_bytes, ref16.data(), true, out_ref),
+                                  kda::reference::ConvMath::kStockFp32);
+    std::vector<char> out32 = pr.out;
+    run_emulation(pr, tuning, x_bytes, state_emu.data(), false, range_of(state_emu), out32, o.bad_access);
+    for (std::size_t i = 0; i < emu16.size(); ++i) {
+      o.state_diff += emu16[i] != ref16[i];
+      o.state_written += ref16[i] != start16[i];
+      o.fp32_state_diff += emu16[i] != kda::host::float_to_bf16(state_emu[i]);
+    }
+    for (std::size_t i = 0; i < out_emu.size(); ++i) o.fp32_out_diff += out_emu[i] != out32[i];
   }
-  kda::reference::causal_conv1d(args_for(pr, x_bytes, state_ref, out_ref),
-                                kda::reference::ConvMath::kStockFp32);
-
   for (std::size_t i = 0; i < out_emu.size(); ++i) {
     if (out_emu[i] != out_ref[i]) ++o.out_diff;
     if (out_ref[i] != pr.out[i]) ++o.out_written;
-  }
-  for (std::size_t i = 0; i < state_emu.size(); ++i) {
-    if (std::memcmp(&state_emu[i], &state_ref[i], 4) != 0) ++o.state_diff;
-    if (std::memcmp(&state_ref[i], &pr.state[i], 4) != 0) ++o.state_written;
   }
   return o;
 }
@@ -410,6 +442,8 @@ void check_outcome(const Outcome& o) {
   // The comparison is not vacuous: the reference wrote outputs and states.
   CHECK(o.out_written > 0);
   CHECK(o.state_written > 0);
+  CHECK(o.fp32_out_diff == 0);
+  CHECK(o.fp32_state_diff == 0);
 }
 
 }  // namespace
@@ -563,6 +597,42 @@ TEST_CASE("the emulated kernel equals the reference for every conv-state and wei
     pr.weight_stride_tap = 1;
     fill(pr, 8);
     check_outcome(compare(pr, {4, 32, 4}));
+  }
+}
+
+// A bf16 pool moves by the bf16 scalar walks in every layout: the (lines, dim, 3) and (lines, 3,
+// dim) pools, padded lines with state_len 4, odd strides, an address that is no fp32 element
+// boundary. Each run is compared with the reference on bf16 lines and with the emulation on an
+// fp32 pool of the same values (outputs bitwise, taps rounded to bf16).
+TEST_CASE("the emulated kernel with bf16 conv-state lines equals the reference and the fp32 lines rounded") {
+  SUBCASE("every pool layout, vec 4 and 1") {
+    for (const char* layout : {"contiguous", "transposed", "state_len 4, padded lines", "odd strides"}) {
+      for (int vec : {4, 1}) {
+        CAPTURE(layout);
+        CAPTURE(vec);
+        Problem pr = base_problem(DType::BF16);
+        pr.state_bf16 = true;
+        set_state_layout(pr, layout);
+        fill(pr, 61 + vec);
+        check_outcome(compare(pr, {vec, 16, 2}));
+      }
+    }
+  }
+  SUBCASE("a pool one bf16 element past a 16-byte boundary, vec 8") {
+    Problem pr = base_problem(DType::BF16);
+    pr.state_bf16 = true;
+    pr.state_offset = 1;
+    fill(pr, 71);
+    check_outcome(compare(pr, {8, 16, 4}));
+  }
+  SUBCASE("several chunk programs per CTA, bias, no flags, transposed pool") {
+    Problem pr = base_problem(DType::BF16);
+    pr.state_bf16 = true;
+    pr.bias = true;
+    pr.flags = false;
+    set_state_layout(pr, "transposed");
+    fill(pr, 72);
+    check_outcome(compare(pr, {4, 8, 2, 4}));
   }
 }
 

@@ -1454,3 +1454,248 @@ TEST_CASE("conv_checkpoint refuses malformed arguments, enqueues nothing, and ma
   const Result r = o.download();
   CHECK(diff_bits(r.states.data(), hp.states.data(), r.states.size() * sizeof(float)) == 0);
 }
+
+// ---- bf16 conv-state lines (state_dtype BF16) ----
+
+namespace {
+
+// The bf16 bits of pool values that are all bf16 values (the fixture makes them so).
+std::vector<uint16_t> narrow_exact(const std::vector<float>& pool) {
+  std::vector<uint16_t> bits(pool.size());
+  int64_t inexact = 0;
+  for (std::size_t i = 0; i < pool.size(); ++i) {
+    const uint32_t u = kda::host::float_bits(pool[i]);
+    inexact += (u & 0xFFFFu) != 0;
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  REQUIRE(inexact == 0);
+  return bits;
+}
+
+std::vector<float> widen(const std::vector<uint16_t>& bits) {
+  std::vector<float> pool(bits.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) pool[i] = kda::host::bf16_to_float(bits[i]);
+  return pool;
+}
+
+// Makes hp's pool a pool of bf16 values, poisoned where the conv must write without reading and
+// where it must not write: the taps of running lines with an initial state are random bf16
+// values (they are read); taps 0..2 of running lines without one, and every other element (lines
+// no running sequence names, taps past 2, line padding), hold the bf16 NaN 0xFFFF (widened
+// 0xFFFF0000 in fp32). A written tap is a bf16 input or an old tap, never that NaN, so a tap
+// still holding it was not written.
+void make_bf16_pool(HostProblem& hp) {
+  const float poison = kda::host::bf16_to_float(kda::test::kPoison16);
+  std::vector<unsigned char> read(hp.states.size(), 0), written(hp.states.size(), 0);
+  for (int64_t s = 0; s < hp.seqs; ++s) {
+    const int32_t line = hp.cache[static_cast<std::size_t>(s * hp.spec.cache_stride)];
+    if (hp.qsl[s + 1] == hp.qsl[s] || is_skipped(hp, line)) continue;
+    const bool init = !hp.spec.null_init_flags && hp.init[static_cast<std::size_t>(s)] != 0;
+    for (int64_t c = 0; c < hp.dim; ++c)
+      for (int64_t tap = 0; tap < 3; ++tap) {
+        const std::size_t i = state_index(hp, line, c, tap);
+        written[i] = 1;
+        read[i] = init;
+      }
+  }
+  for (std::size_t i = 0; i < hp.states.size(); ++i)
+    hp.states[i] = read[i] ? kda::host::bf16_round(hp.states[i]) : poison;
+}
+
+// Taps 0..2 of running lines that still hold the poison: not written.
+int64_t unwritten_taps(const HostProblem& hp, const std::vector<uint16_t>& lines) {
+  int64_t n = 0;
+  for (int64_t line = 0; line < hp.lines; ++line) {
+    if (!hp.line_runs[static_cast<std::size_t>(line)]) continue;
+    for (int64_t c = 0; c < hp.dim; ++c)
+      for (int64_t tap = 0; tap < 3; ++tap) n += lines[state_index(hp, line, c, tap)] == kda::test::kPoison16;
+  }
+  return n;
+}
+
+// A bf16 pool and an output buffer on the device, poisoned as the fixture says.
+struct Bf16Outputs {
+  DeviceBuffer lines, out;
+  Bf16Outputs(const HostProblem& hp, const std::vector<uint16_t>& start)
+      : lines(upload_vec(start)), out(static_cast<std::size_t>(hp.out_elems) * hp.esize()) {
+    out.fill_bytes(0xFF);
+    kda::test::device_synchronize();
+  }
+  // The conv's arguments over this pool and output, with the inputs of `fp32_args`.
+  PackedConvArgs args(const HostProblem& hp, const PackedConvArgs& fp32_args) {
+    PackedConvArgs a = fp32_args;
+    a.conv_states = lines.get();
+    a.state_dtype = DType::BF16;
+    a.out = out.as<char>() + hp.spec.out_offset * hp.esize();
+    return a;
+  }
+  Result download_widened(std::vector<uint16_t>& bits) const {
+    Result r;
+    r.out.resize(out.bytes());
+    out.download(r.out.data(), r.out.size());
+    bits = lines.download_as<uint16_t>();
+    r.states = widen(bits);
+    return r;
+  }
+};
+
+// The packed conv on bf16 lines against the stock path on bf16 lines, the packed conv on fp32
+// lines of the same values and the CPU reference on bf16 lines: everything printed and checked.
+void check_bf16_lines(const Spec& spec, Rng& rng, cudaStream_t stream) {
+  REQUIRE(spec.dtype == DType::BF16);
+  HostProblem hp = make_problem(spec, rng);
+  make_bf16_pool(hp);
+  const std::string what = describe(hp);
+  CAPTURE(what);
+  const std::vector<uint16_t> start16 = narrow_exact(hp.states);
+  DeviceInputs in(hp);
+  DeviceOutputs fp32(hp);
+  fp32.reset(hp);
+  Bf16Outputs packed(hp, start16), stock(hp, start16);
+  const PackedConvArgs a32 = device_args(hp, in, fp32);
+  const PackedConvArgs a16 = packed.args(hp, a32), s16 = stock.args(hp, a32);
+  std::string why;
+  REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(a16, &why), "unsupported: ", why);
+  kda::packed_causal_conv1d(a16, stream);
+  kda::packed_causal_conv1d(a32, stream);
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+  run_stock(s16, stream);
+  std::vector<uint16_t> p16, st16;
+  const Result rp = packed.download_widened(p16), rs = stock.download_widened(st16), r32 = fp32.download();
+
+  // The CPU reference on host bf16 lines (the state is a copy of inputs and taps: exact).
+  std::vector<uint16_t> ref16 = start16;
+  std::vector<unsigned char> ref_out(static_cast<std::size_t>(hp.out_elems) * hp.esize(), 0xFF);
+  const std::unique_ptr<bool[]> init = hp.init_bools();
+  PackedConvArgs h16 = make_args(hp, hp.x.data(), hp.weight.data(), hp.bias.data(), nullptr, hp.qsl.data(),
+                                 hp.cache.data(), init.get(), ref_out.data());
+  h16.conv_states = ref16.data();
+  h16.state_dtype = DType::BF16;
+  kda::reference::causal_conv1d(h16, kda::reference::ConvMath::kStockFp32);
+
+  const int64_t out_bits = diff_bits(rp.out.data(), rs.out.data(), rp.out.size());
+  const int64_t line_bits = diff_bits(p16.data(), st16.data(), p16.size() * 2);
+  const int64_t fp32_out_bits = diff_bits(rp.out.data(), r32.out.data(), rp.out.size());
+  // The fp32 run's pool narrowed exactly (compared widened: equal bits there are equal bf16
+  // bits), and its written taps rounded to bf16 as a bf16 store rounds them.
+  const int64_t fp32_line_bits = diff_bits(rp.states.data(), r32.states.data(), rp.states.size() * sizeof(float));
+  int64_t rounded_bits = 0, taps = 0;
+  for (int64_t line = 0; line < hp.lines; ++line) {
+    if (!hp.line_runs[static_cast<std::size_t>(line)]) continue;
+    for (int64_t c = 0; c < hp.dim; ++c)
+      for (int64_t tap = 0; tap < 3; ++tap) {
+        const std::size_t i = state_index(hp, line, c, tap);
+        const uint16_t rounded = kda::host::float_to_bf16(r32.states[i]);
+        rounded_bits += diff_bits(&p16[i], &rounded, 2);
+        ++taps;
+      }
+  }
+  const int64_t reference_bits = diff_bits(p16.data(), ref16.data(), p16.size() * 2);
+  const int64_t unwritten = unwritten_taps(hp, p16);
+  const bool same = out_bits == 0 && line_bits == 0;
+  const Leaks lp = find_leaks(hp, rp), ls = same ? lp : find_leaks(hp, rs);
+  MESSAGE(what << "\n  bf16 lines, packed vs stock: " << out_bits << " output bits, " << line_bits
+               << " line bits differ; vs the fp32 lines' run: " << fp32_out_bits << " output bits, "
+               << fp32_line_bits << " pool bits (narrowed), " << rounded_bits << " bits of " << taps
+               << " written taps (rounded); vs the CPU reference on bf16 lines: " << reference_bits
+               << " line bits; " << unwritten << " running taps unwritten");
+  CHECK(taps > 0);
+  CHECK(out_bits == 0);
+  CHECK(line_bits == 0);
+  CHECK(fp32_out_bits == 0);
+  CHECK(fp32_line_bits == 0);
+  CHECK(rounded_bits == 0);
+  CHECK(reference_bits == 0);
+  CHECK(unwritten == 0);
+  check_leaks(lp, "packed, bf16 lines");
+  check_leaks(ls, "stock, bf16 lines");
+}
+
+// Checkpoints then the packed conv on bf16 lines against the same on fp32 lines of the same
+// values (whose checkpoints the test above checks against the stock path): the bf16 pool must be
+// the fp32 pool narrowed, bit for bit, and every checkpoint tap written.
+void check_bf16_checkpoints(const Spec& spec, Rng& rng, cudaStream_t stream) {
+  HostProblem hp = make_problem(spec, rng);
+  make_bf16_pool(hp);  // checkpoint lines are named by no sequence: poisoned whole
+  const CheckpointPlan plan = plan_checkpoints(rng, hp, hp.lines + 8, true);
+  const int64_t max_entries = static_cast<int64_t>(plan.entries.size());
+  const std::string what = describe(hp);
+  CAPTURE(what);
+  const std::vector<uint16_t> start16 = narrow_exact(hp.states);
+  DeviceInputs in(hp);
+  DeviceOutputs fp32(hp);
+  fp32.reset(hp);
+  Bf16Outputs b16(hp, start16);
+  DeviceBuffer entries = upload_vec(plan.entries);
+  kda::test::device_synchronize();
+  const ConvCheckpointArgs c32 = checkpoint_args(hp, in, fp32, entries, max_entries);
+  ConvCheckpointArgs c16 = c32;
+  c16.conv_states = b16.lines.get();
+  c16.state_dtype = DType::BF16;
+  const PackedConvArgs a32 = device_args(hp, in, fp32);
+  const PackedConvArgs a16 = b16.args(hp, a32);
+  std::string why;
+  REQUIRE_MESSAGE(kda::conv_checkpoint_supported(c16, &why), "unsupported: ", why);
+  REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(a16, &why), "unsupported: ", why);
+  kda::conv_checkpoint(c32, stream);
+  kda::packed_causal_conv1d(a32, stream);
+  kda::conv_checkpoint(c16, stream);
+  kda::packed_causal_conv1d(a16, stream);
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+  std::vector<uint16_t> got16;
+  const Result r16 = b16.download_widened(got16), r32 = fp32.download();
+  int64_t taps = 0, unwritten = 0;
+  for (const CheckpointEntry& e : plan.valid)
+    for (int64_t c = 0; c < hp.dim; ++c)
+      for (int64_t tap = 0; tap < 3; ++tap) {
+        ++taps;
+        unwritten += got16[state_index(hp, e.line, c, tap)] == kda::test::kPoison16;
+      }
+  const int64_t pool_bits = diff_bits(r16.states.data(), r32.states.data(), r16.states.size() * sizeof(float));
+  const int64_t out_bits = diff_bits(r16.out.data(), r32.out.data(), r16.out.size());
+  MESSAGE(what << "\n  " << plan.valid.size() << " checkpoints (+" << plan.malformed << " malformed) on bf16 lines: "
+               << pool_bits << " pool bits differ from the fp32 lines' run (narrowed), " << unwritten << " of " << taps
+               << " checkpoint taps unwritten; packed conv output " << out_bits << " bits");
+  CHECK(taps > 0);
+  CHECK(pool_bits == 0);
+  CHECK(unwritten == 0);
+  CHECK(out_bits == 0);
+}
+
+}  // namespace
+
+TEST_CASE("the packed conv on bf16 conv-state lines equals the stock path and the fp32 lines bit for bit") {
+  Rng rng = rng_for("bf16 lines");
+  Stream stream;
+  Spec s;
+  SUBCASE("the (lines, dim, 3) pool: strides (3 dim, 3, 1)") {
+    s.part_dim = 128;
+    s.row_pad = 64;
+    s.init_frac = 0.5;
+    s.lens = random_lengths(rng, 30, quick() ? 1500 : 6000);
+  }
+  SUBCASE("the (lines, 3, dim) pool: strides (3 dim, 1, dim), capacity past the batch") {
+    s.part_dim = 64;
+    s.transposed = true;
+    s.row_pad = 2;
+    s.out_offset = 1;
+    s.init_frac = 0.7;
+    s.seq_pad = 3;
+    s.token_pad = 40;
+    s.lens = random_lengths(rng, 30, quick() ? 1500 : 6000);
+  }
+  check_bf16_lines(s, rng, stream.get());
+}
+
+TEST_CASE("conv-state checkpoints then the packed conv on bf16 lines equal the fp32 lines narrowed") {
+  Rng rng = rng_for("bf16 checkpoints");
+  Stream stream;
+  Spec s;
+  s.part_dim = 128;
+  s.init_frac = 0.5;
+  s.extra_lines = 120;
+  SUBCASE("the (lines, dim, 3) pool") { s.row_pad = 64; }
+  SUBCASE("the (lines, 3, dim) pool") { s.transposed = true; }
+  s.lens = random_lengths(rng, 30, quick() ? 1500 : 4000);
+  check_bf16_checkpoints(s, rng, stream.get());
+}
