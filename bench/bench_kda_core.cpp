@@ -116,7 +116,8 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   a.b_col_offset = 3 * part;
   a.a_log = a_log.as<float>();
   a.dt_bias = dt_bias.as<float>();
-  a.states = pool.as<float>();
+  a.states = pool.get();
+  a.state_dtype = kda::DType::FP32;  // state_bytes below counts 4-byte elements
   a.cache_lines = seqs + 1;
   a.state_stride_line = heads * kD * kD;
   a.state_stride_head = kD * kD;

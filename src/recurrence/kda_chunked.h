@@ -12,9 +12,11 @@
 //      the sequence's chunks in registers (fp32), O on bf16 and the state update on fp16
 //      tensor cores (rows of U scaled into fp16's range), with a state warp and an output
 //      warp per 16 value rows. The sequence's state checkpoints (PrepRecurrenceArgs) are
-//      stored from the same registers at their chunk ends, so a checkpoint is bitwise the
-//      final state of a run cut there, and a run continued from it (has_initial_state) is
-//      bitwise the uninterrupted one: the same 64-token chunks, the same records.
+//      stored from the same registers at their chunk ends, so a checkpoint line is bitwise
+//      the final line of a run cut there (in a bf16 pool too: the same registers rounded
+//      alike). With an fp32 pool a run continued from it (has_initial_state) is bitwise the
+//      uninterrupted one: the same 64-token chunks, the same records, the exact state. With a
+//      bf16 pool it is not: it starts from the state rounded to bf16.
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands); tests/layer states the error bounds against the float64 reference.
 //

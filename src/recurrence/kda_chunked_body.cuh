@@ -43,6 +43,12 @@
 // keeps the final state's error an order of magnitude below that of bf16 operands.
 // At a chunk end where the sequence has a state checkpoint (common/state_checkpoints.h) the
 // state warps also store the carried state to the checkpoint's line.
+// Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_bf16, a run-time flag):
+// load_state widens, store_state rounds to nearest even (common/state_storage.h); the carried
+// state stays fp32 in registers. A checkpoint line is bitwise the final line of a run cut at its
+// offset in either type: the same registers, rounded the same way. A run continued from a bf16
+// line starts from the rounded state and so is not bitwise the uninterrupted run (from an fp32
+// line, which holds the state exactly, it is).
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
 // barriers (sync and arrive), shuffles, the radix search, ldmatrix (.trans), mma in bf16,
@@ -73,6 +79,7 @@
 #include <cstring>
 
 #include "common/state_checkpoints.h"
+#include "common/state_storage.h"
 #include "common/varlen_map.h"
 #include "recurrence/recurrence_params.h"
 
@@ -1229,31 +1236,60 @@ __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, in
 }
 
 // A state warp's S^T: st[nt] holds value rows v0 + (g, g + 8) and key channels
-// 8 nt + (2t, 2t + 1), read from (or written to) the sequence's pool line `state`.
-__host__ __device__ __forceinline__ void load_state(float (&st)[StateTraits::kKeyTiles][4],
-                                                    const RecurrenceParams& p,
-                                                    const float* state, bool from_state, int v0,
-                                                    int g, int t) {
+// 8 nt + (2t, 2t + 1), read from (or written to) the pool at element `at` on: the head of a
+// line (state_head_at). Elements are fp32, or bf16 when p.state_bf16: a load widens exactly, a
+// store rounds to nearest even. The flag is tested once per call and each branch passes it on
+// as a constant, so each is a straight loop over one element type (the fp32 one the plain fp32
+// loop); positions are element offsets, scaled inside the branch: a line pointer whose element
+// size is chosen at run time made ptxas keep ~45 more registers live across the chunk loop.
+__host__ __device__ __forceinline__ void load_state_elems(float (&st)[StateTraits::kKeyTiles][4],
+                                                          const RecurrenceParams& p, int64_t at,
+                                                          bool bf16, int v0, int g, int t) {
 KDA_UNROLL
   for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
       const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
-      st[nt][r] = from_state ? state[c * p.state_k + v * p.state_v] : 0.0f;
+      st[nt][r] = load_state_elem(p.states, at + c * p.state_k + v * p.state_v, bf16);
+    }
+  }
+}
+__host__ __device__ __forceinline__ void load_state(float (&st)[StateTraits::kKeyTiles][4],
+                                                    const RecurrenceParams& p, int64_t at,
+                                                    bool from_state, int v0, int g, int t) {
+  if (!from_state) {
+KDA_UNROLL
+    for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt)
+KDA_UNROLL
+      for (int r = 0; r < 4; ++r) st[nt][r] = 0.0f;
+  } else if (p.state_bf16) {
+    load_state_elems(st, p, at, true, v0, g, t);
+  } else {
+    load_state_elems(st, p, at, false, v0, g, t);
+  }
+}
+__host__ __device__ __forceinline__ void store_state_elems(
+    const float (&st)[StateTraits::kKeyTiles][4], const RecurrenceParams& p, int64_t at,
+    bool bf16, int v0, int g, int t) {
+KDA_UNROLL
+  for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      store_state_elem(p.states, at + c * p.state_k + v * p.state_v, st[nt][r], bf16);
     }
   }
 }
 __host__ __device__ __forceinline__ void store_state(const float (&st)[StateTraits::kKeyTiles][4],
-                                                     const RecurrenceParams& p, float* state,
+                                                     const RecurrenceParams& p, int64_t at,
                                                      int v0, int g, int t) {
-KDA_UNROLL
-  for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
-KDA_UNROLL
-    for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
-      state[c * p.state_k + v * p.state_v] = st[nt][r];
-    }
-  }
+  if (p.state_bf16) store_state_elems(st, p, at, true, v0, g, t);
+  else store_state_elems(st, p, at, false, v0, g, t);
+}
+// The pool element where head `head` of line `line` starts (elements of the pool's type).
+__host__ __device__ __forceinline__ int64_t state_head_at(const RecurrenceParams& p, int64_t line,
+                                                          int head) {
+  return line * p.state_line + head * p.state_head;
 }
 
 // S0^T as bf16 A fragments: k-step kk covers key channels [16 kk, 16 kk + 16).
@@ -1357,9 +1393,9 @@ __host__ __device__ __forceinline__ void state_warp(Ops& ops, const RecurrencePa
   const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
   const int vrow = vt * S::kRowsPerWarp;
   float st[kKeyTiles][4];
-  float* state = p.states + walk.span.line * p.state_line + head * p.state_head;
+  const int64_t state_at = state_head_at(p, walk.span.line, head);
   const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-  load_state(st, p, state, from_state, v0, g, t);
+  load_state(st, p, state_at, from_state, v0, g, t);
   // The sequence's checkpoints, read once: per chunk the test is integer arithmetic on them.
   const CheckpointSeq checkpoints = recurrence::checkpoints_of(p, seq);
   const int64_t rows = walk.span.eos - walk.span.bos;
@@ -1419,13 +1455,13 @@ KDA_UNROLL
     // st is now the state after the first `end` rows. A checkpoint there gets these very
     // registers, as the final store below does: a run cut at `end` has the same chunks up to
     // here (chunks start at the sequence's first row; checkpoint ends are chunk ends or its
-    // last row), so it stores bitwise the same state.
+    // last row), so it stores bitwise the same line (rounded alike when the pool is bf16).
     const int64_t end = std::min((n + 1) * kChunk, rows);
     const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
-    if (ck >= 0) store_state(st, p, p.states + ck * p.state_line + head * p.state_head, v0, g, t);
+    if (ck >= 0) store_state(st, p, state_head_at(p, ck, head), v0, g, t);
   }
 
-  store_state(st, p, state, v0, g, t);
+  store_state(st, p, state_at, v0, g, t);
 }
 
 // The output warp of value tile vt: O^T from the published sf and uf, and the o rows.

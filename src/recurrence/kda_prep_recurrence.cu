@@ -18,6 +18,12 @@
 // both stage ends (stages start at the sequence's first row), where the pending update has
 // just been applied: S there is exactly the state a run cut at that row ends with, and the
 // block writes its columns of it to the checkpoint's line.
+// Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_bf16, a run-time flag): the
+// state is widened once when loaded and rounded to nearest even at each store, through
+// common/state_storage.h. A checkpoint line and the final line of a run cut there are the same
+// registers rounded the same way, so they stay bitwise equal in either type. A run continued
+// from a bf16 line starts from the rounded state, so it is not bitwise the uninterrupted run
+// (an fp32 line stores the state exactly, and there it is).
 // The four slices of a head repeat the prep; it is cheap next to 512 FMAs per token and column.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -28,6 +34,7 @@
 #include "common/check.h"
 #include "common/cuda_check.h"
 #include "common/device_math.cuh"
+#include "common/state_storage.h"
 #include "recurrence/kda_recurrence.h"
 #include "recurrence/recurrence_params.h"
 
@@ -160,11 +167,31 @@ __device__ __forceinline__ void apply_update(float (&s)[kHeadDim], const float* 
   }
 }
 
-// Writes this thread's state column S[:, v_j] to `column` (elements k_stride apart).
-__device__ __forceinline__ void store_column(const float (&s)[kHeadDim], float* column,
-                                             int64_t k_stride) {
+// Reads this thread's state column S[:, v_j] from pool element `at` on (elements k_stride
+// apart), widening bf16 elements. The flag is tested once, outside the unrolled loops: a test
+// per element keeps more registers live and made ptxas spill.
+__device__ __forceinline__ void load_column(float (&s)[kHeadDim], const void* pool, int64_t at,
+                                            int64_t k_stride, bool bf16) {
+  if (bf16) {
 #pragma unroll
-  for (int i = 0; i < kHeadDim; ++i) column[i * k_stride] = s[i];
+    for (int i = 0; i < kHeadDim; ++i) s[i] = load_state_elem(pool, at + i * k_stride, true);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHeadDim; ++i) s[i] = load_state_elem(pool, at + i * k_stride, false);
+  }
+}
+
+// Writes this thread's state column S[:, v_j] to pool element `at` on (elements k_stride
+// apart), rounded to bf16 to nearest even when the pool holds bf16.
+__device__ __forceinline__ void store_column(const float (&s)[kHeadDim], void* pool, int64_t at,
+                                             int64_t k_stride, bool bf16) {
+  if (bf16) {
+#pragma unroll
+    for (int i = 0; i < kHeadDim; ++i) store_state_elem(pool, at + i * k_stride, s[i], true);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHeadDim; ++i) store_state_elem(pool, at + i * k_stride, s[i], false);
+  }
 }
 
 // grid (max_seqs, H x kSlices), block kThreads. Every exit before the token loop is uniform
@@ -185,11 +212,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int warp = tid / 32, lane = tid % 32;
   const int column = slice * Traits::kColumns + tid;  // value index inside the head
   const int64_t column_offset = head * p.state_head + column * p.state_v;
-  float* state = p.states + line * p.state_line + column_offset;
+  const int64_t state_at = line * p.state_line + column_offset;  // pool elements, either type
   float s[kHeadDim];
   if (p.has_initial_state != nullptr && p.has_initial_state[seq]) {
-#pragma unroll
-    for (int i = 0; i < kHeadDim; ++i) s[i] = state[i * p.state_k];
+    load_column(s, p.states, state_at, p.state_k, p.state_bf16);
   } else {
 #pragma unroll
     for (int i = 0; i < kHeadDim; ++i) s[i] = 0.0f;
@@ -227,10 +253,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int64_t end = t0 + n - bos;
     if (end % kKdaChunk == 0 || t0 + n == eos) {
       const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
-      if (ck >= 0) store_column(s, p.states + ck * p.state_line + column_offset, p.state_k);
+      if (ck >= 0)
+        store_column(s, p.states, ck * p.state_line + column_offset, p.state_k, p.state_bf16);
     }
   }
-  store_column(s, state, p.state_k);
+  store_column(s, p.states, state_at, p.state_k, p.state_bf16);
 }
 
 }  // namespace

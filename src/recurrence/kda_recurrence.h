@@ -12,8 +12,10 @@
 // kda::Error, enqueueing nothing, when the arguments are unusable.
 // Both kernels also write state checkpoints (common/state_checkpoints.h, for prefix caching):
 // a sequence's state after chosen numbers of its rows (multiples of 64 or all of them) into
-// further pool lines, bitwise the final state that the same kernel leaves when the sequence is
-// cut there.
+// further pool lines, bitwise the final line that the same kernel leaves when the sequence is
+// cut there (in a bf16 pool too: the same fp32 state rounded the same way). A run continued
+// from a checkpoint line of a bf16 pool starts from the rounded state, so unlike one from an
+// fp32 line it is not bitwise the uninterrupted run.
 #pragma once
 
 #include <cstdint>
@@ -62,9 +64,12 @@ struct PrepRecurrenceArgs {
   const float* dt_bias = nullptr;  // (P) fp32
   std::optional<double> gate_lower_bound;  // finite and < 0 when set (K3-style decay)
 
-  // Recurrent-state pool (cache_lines, H, K, V) fp32, read and written in place; any strides
-  // that do not make two elements overlap (e.g. (line, head, v, k) order).
-  float* states = nullptr;
+  // Recurrent-state pool (cache_lines, H, K, V), read and written in place; any strides that
+  // do not make two elements overlap (e.g. (line, head, v, k) order). Elements are FP32 or BF16
+  // (state_dtype): the kernels carry the state in fp32 and round a bf16 line once per store
+  // (common/state_storage.h); strides count elements of that type.
+  void* states = nullptr;
+  DType state_dtype = DType::FP32;
   int64_t cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_head = 0, state_stride_k = 0, state_stride_v = 0;
 

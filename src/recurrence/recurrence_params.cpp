@@ -81,8 +81,16 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
     return fail(why, "q, k and g1 must be 8-byte aligned (the prep reads 4 bf16 at a time)");
   if (!aligned_to(a.v, 2) || !aligned_to(a.b, 2) || !aligned_to(a.o, 2))
     return fail(why, "v, b and o must be aligned to their 2-byte bf16 elements");
-  if (!aligned_to(a.a_log, 4) || !aligned_to(a.dt_bias, 4) || !aligned_to(a.states, 4))
-    return fail(why, "a_log, dt_bias and states must be aligned to their 4-byte elements");
+  if (!aligned_to(a.a_log, 4) || !aligned_to(a.dt_bias, 4))
+    return fail(why, "a_log and dt_bias must be aligned to their 4-byte fp32 elements");
+  if (a.state_dtype != DType::FP32 && a.state_dtype != DType::BF16)
+    return fail(why, str_cat("state_dtype ", dtype_name(a.state_dtype), " (value ",
+                             static_cast<int>(a.state_dtype),
+                             ") is not supported; recurrent-state pools hold fp32 or bf16"));
+  const std::size_t state_bytes = dtype_size(a.state_dtype);
+  if (!aligned_to(a.states, state_bytes))
+    return fail(why, str_cat("states must be aligned to its ", state_bytes,
+                             "-byte elements (state_dtype ", dtype_name(a.state_dtype), ")"));
   if (a.b_col_offset < 0 || a.b_row_stride < a.b_col_offset + a.num_heads)
     return fail(why, str_cat("the b columns [", a.b_col_offset, ", ",
                              a.b_col_offset + a.num_heads, ") do not fit in b_row_stride ",
@@ -145,6 +153,7 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.dt_bias = a.dt_bias;
   p.lower_bound = a.gate_lower_bound ? static_cast<float>(*a.gate_lower_bound) : 0.0f;
   p.states = a.states;
+  p.state_bf16 = a.state_dtype == DType::BF16;
   p.state_line = a.state_stride_line;
   p.state_head = a.state_stride_head;
   p.state_k = a.state_stride_k;

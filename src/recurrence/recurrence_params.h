@@ -30,9 +30,9 @@ static_assert((int64_t{1} << kChunkShift) == kKdaChunk, "kda_chunked.h's chunk l
 constexpr int kTokenSlices = 4;
 constexpr int64_t kMaxHeads = 65535 / kTokenSlices;
 
-// PrepRecurrenceArgs as the kernels read them: typed pointers, b offset to its columns, the
-// gate's lower bound as fp32, and the varlen map's launch facts of the chunked kernel. Element
-// strides throughout.
+// PrepRecurrenceArgs as the kernels read them: typed pointers (the state pool's element type
+// as a flag), b offset to its columns, the gate's lower bound as fp32, and the varlen map's
+// launch facts of the chunked kernel. Element strides throughout.
 struct RecurrenceParams {
   // Batch metadata (capacities: the grids depend on them only).
   const int32_t* query_start_loc;
@@ -57,8 +57,13 @@ struct RecurrenceParams {
   const float* dt_bias;
   float lower_bound;  // the bounded gate's bound; read only by the kernels instantiated for it
 
-  // The state pool and the output.
-  float* states;
+  // The state pool and the output. Pool elements are fp32, or bf16 when state_bf16
+  // (common/state_storage.h: loads widen exactly, stores round to nearest even); the strides
+  // count elements of that type. The kernels carry the state in fp32 either way and touch the
+  // pool only to load a sequence's line once and to store it at checkpoints and at the end,
+  // so the element type is this run-time flag, not a template parameter.
+  void* states;
+  bool state_bf16;
   int64_t state_line, state_head, state_k, state_v;
   __nv_bfloat16* o;
   int64_t o_stride;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/half_host.h"
+#include "common/state_storage.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_chunked_body.cuh"
 #include "recurrence/recurrence_params.h"
@@ -385,13 +386,16 @@ void emulate_kda_chunked(const kda::PrepRecurrenceArgs& args, bool late_copies) 
 
 // A host-side batch in the op's layout: planes with padded rows, b inside a wider in_proj
 // row, a pool in (line, head, v, k) order (transposed against the module's, to exercise the
-// strides) with gaps between heads and lines, o poisoned with NaN.
+// strides) with gaps between heads and lines, o poisoned with NaN. The pool is `pool` (fp32),
+// or `pool_bf16` (bf16 bit patterns at the same element positions) when bf16_pool is set.
 struct HostBatchData {
   int64_t heads = 0, tokens = 0, lines = 0;
   int64_t head_stride = 0, line_stride = 0;  // pool
   int64_t plane_stride = 0, b_stride = 0, b_offset = 0, o_stride = 0;
   std::vector<uint16_t> q, k, v, g1, b, o;
   std::vector<float> a_log, dt_bias, pool;
+  bool bf16_pool = false;
+  std::vector<uint16_t> pool_bf16;
   std::vector<int32_t> qsl, cache;
   std::vector<uint8_t> init;  // bool storage
   std::optional<double> lower_bound;
@@ -424,7 +428,12 @@ struct HostBatchData {
     a.a_log = a_log.data();
     a.dt_bias = dt_bias.data();
     a.gate_lower_bound = lower_bound;
-    a.states = pool.data();
+    if (bf16_pool) {
+      a.states = pool_bf16.data();
+      a.state_dtype = kda::DType::BF16;
+    } else {
+      a.states = pool.data();
+    }
     a.cache_lines = lines;
     a.state_stride_line = line_stride;
     a.state_stride_head = head_stride;
@@ -921,4 +930,81 @@ TEST_CASE("emulated state checkpoints are bitwise the states of runs cut there a
     if (!written[i] && std::memcmp(&tail.pool[i], &run.pool[i], sizeof(float)) != 0) ++pool_changed;
   CHECK(o_changed == 0);
   CHECK(pool_changed == 0);
+}
+
+TEST_CASE("an emulated bf16 pool holds the fp32 run's lines rounded to nearest even and is read widened") {
+  // The kernels carry the state in fp32 whatever the pool holds: a bf16 line is widened when
+  // loaded and the registers are rounded (state_float_to_bf16) when stored. So a run on a bf16
+  // pool and a run on an fp32 pool whose lines hold the widened values of the same bf16 lines
+  // compute the same fp32 state from the same start: o repeats bit for bit, and every line the
+  // bf16 run writes (final states and checkpoints) is the fp32 run's line rounded, bit for bit.
+  // Two heads and a pool with gaps between heads and lines, so that the element offsets of
+  // the bf16 lines (2-byte elements) are checked at every level. Sequence 0: 130 rows from an
+  // initial state, checkpoints at 64 and 128. 1: on the null line. 2: 64 rows from zeros. 3: 17
+  // rows from an initial state, a checkpoint at its last row.
+  const std::vector<int> lens = {130, 20, 64, 17};
+  const std::vector<int> lines = {3, 0, 1, 2};
+  const std::vector<int> init = {1, 1, 0, 1};
+  HostBatchData fp32 = make_batch(/*heads=*/2, lens, lines, init, /*pad_tokens=*/5, std::nullopt, 53u);
+  // Lines 0..4 exist (4 named by nobody); 5..7 take the checkpoints.
+  fp32.lines = 8;
+  fp32.pool.resize(fp32.lines * fp32.line_stride);
+  poison_pool(fp32);
+  set_checkpoints(fp32, {{0, 64, 64, 2, {5, 6}}, {3, 17, 0, 1, {7}}}, /*spare=*/1);
+  const std::vector<int> ck_lines = {5, 6, 7};
+
+  // The bf16 pool: the fp32 values rounded, the poison (NaN) as the 0xFFFF pattern of a 0xFF
+  // fill. The fp32 run's pool: exactly those bf16 values widened (poison becomes 0xFFFF0000, a
+  // NaN as well).
+  HostBatchData bf16 = fp32;
+  bf16.bf16_pool = true;
+  bf16.pool_bf16.resize(fp32.pool.size());
+  int64_t inexact = 0;  // initial elements that the rounding changed
+  for (size_t i = 0; i < fp32.pool.size(); ++i) {
+    const float x = fp32.pool[i];
+    bf16.pool_bf16[i] = std::isnan(x) ? kda::test::kPoison16 : kda::state_float_to_bf16(x);
+    fp32.pool[i] = kda::state_bf16_to_float(bf16.pool_bf16[i]);
+    inexact += !std::isnan(x) && fp32.pool[i] != x;
+  }
+  bf16.pool.clear();  // the bf16 run must not touch an fp32 pool
+  REQUIRE(inexact > 0);
+  const HostBatchData fp32_before = fp32, bf16_before = bf16;
+
+  emulate_kda_chunked(fp32.args(), /*late_copies=*/false);
+  emulate_kda_chunked(bf16.args(), /*late_copies=*/true);
+  // The fp32 run itself is the op (within the chunked tolerances of float64, nothing else
+  // written), from the widened lines.
+  check_against_reference(fp32_before, fp32, run_reference(fp32_before), ck_lines);
+
+  int64_t o_bits = 0;
+  for (size_t i = 0; i < fp32.o.size(); ++i)
+    o_bits += __builtin_popcount(static_cast<unsigned>(fp32.o[i] ^ bf16.o[i]));
+  // Elements the runs write: the states of processed sequences and the checkpoint lines.
+  std::vector<bool> written(fp32.pool.size(), false);
+  std::vector<int> written_lines = ck_lines;
+  for (size_t s = 0; s < lens.size(); ++s)
+    if (lens[s] > 0 && lines[s] != 0) written_lines.push_back(lines[s]);
+  for (int line : written_lines)
+    for (int64_t h = 0; h < fp32.heads; ++h)
+      for (int kc = 0; kc < 128; ++kc)
+        for (int vc = 0; vc < 128; ++vc) written[fp32.pool_index(line, h, kc, vc)] = true;
+  // Each element of the bf16 pool: the fp32 run's value rounded where written, its starting
+  // bits elsewhere (other lines and the gaps).
+  int64_t written_off = 0, untouched_changed = 0, rounded = 0, written_count = 0;
+  for (size_t i = 0; i < fp32.pool.size(); ++i) {
+    if (written[i]) {
+      ++written_count;
+      written_off += bf16.pool_bf16[i] != kda::state_float_to_bf16(fp32.pool[i]);
+      rounded += kda::state_bf16_to_float(bf16.pool_bf16[i]) != fp32.pool[i];
+    } else {
+      untouched_changed += bf16.pool_bf16[i] != bf16_before.pool_bf16[i];
+    }
+  }
+  MESSAGE("bf16 pool: ", o_bits, " o bits differ from the fp32 run; ", written_off, " of ", written_count,
+          " written elements differ from its lines rounded (", rounded, " of them inexact in bf16); ",
+          untouched_changed, " other elements changed");
+  CHECK(o_bits == 0);
+  CHECK(written_off == 0);
+  CHECK(untouched_changed == 0);
+  CHECK(rounded > written_count / 2);  // the stores did round: the fp32 lines are not bf16 values
 }

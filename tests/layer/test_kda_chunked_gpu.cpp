@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/state_storage.h"
 #include "kda/error.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
@@ -124,8 +125,33 @@ PoolLayout transposed_with_gaps(int64_t heads) {
   return {"(line, head, v, k) with gaps", heads * head + 96, head, 1, kD};
 }
 
+// A bf16 pool as these tests hold it on the host: each element widened to fp32
+// (kda::state_bf16_to_float), which keeps every bit of the bf16 pattern (NaN payloads too), so
+// pools of either type compare bitwise as floats and feed the fp32 reference as they are.
+std::vector<float> widen_bf16(const std::vector<uint16_t>& bits) {
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = kda::state_bf16_to_float(bits[i]);
+  return out;
+}
+// The bf16 patterns of widened values: their upper halves (an element with a nonzero lower
+// half is no widened bf16 value, a bug of the test).
+std::vector<uint16_t> narrow_widened(const std::vector<float>& widened) {
+  std::vector<uint16_t> out(widened.size());
+  int64_t not_bf16 = 0;
+  for (size_t i = 0; i < widened.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &widened[i], 4);
+    not_bf16 += (u & 0xFFFFu) != 0;
+    out[i] = static_cast<uint16_t>(u >> 16);
+  }
+  REQUIRE(not_bf16 == 0);
+  return out;
+}
+
 // Everything one launch reads and writes. Input rows that belong to no processed sequence
 // (skipped sequences, rows past the batch) are NaN, so reading them would show in o.
+// The pool is fp32 unless use_bf16_pool(); pool0 and Result::pool hold a bf16 pool widened
+// (widen_bf16), so the checks below serve both types.
 struct Problem {
   int64_t heads, part, bucket, qkv_stride, g1_stride, b_stride, b_offset, o_stride;
   std::optional<double> lower_bound;
@@ -133,6 +159,7 @@ struct Problem {
   Batch& batch;
   std::vector<uint16_t> q, k, v, g1, b;
   std::vector<float> a_log, dt_bias, pool0;
+  kda::DType pool_dtype = kda::DType::FP32;
   DeviceBuffer d_q, d_k, d_v, d_g1, d_b, d_a_log, d_dt_bias, d_pool, d_o, d_work;
 
   Problem(int64_t h, std::optional<double> bound, PoolLayout pool_layout, Batch& tb,
@@ -216,7 +243,8 @@ struct Problem {
     a.a_log = d_a_log.as<float>();
     a.dt_bias = d_dt_bias.as<float>();
     a.gate_lower_bound = lower_bound;
-    a.states = d_pool.as<float>();
+    a.states = d_pool.get();
+    a.state_dtype = pool_dtype;
     a.cache_lines = batch.cache_lines;
     a.state_stride_line = layout.line;
     a.state_stride_head = layout.head;
@@ -241,14 +269,47 @@ struct Problem {
   void reset() {
     d_o.fill_bytes(0xFF);
     d_work.fill_bytes(0xFF);
-    d_pool.upload(pool0);
+    upload_pool(pool0);
+  }
+
+  // Rounds the starting pool to bf16 values, keeping the starting states of processed
+  // sequences with an initial state (rounded to nearest even) and poisoning every other
+  // element (the 0xFFFF NaN of a 0xFF fill: an element read without cause shows in o, one
+  // written without cause in the checks), and switches the device pool to bf16. pool0 then
+  // holds the widened values, what the fp32 reference starts from.
+  void use_bf16_pool() {
+    std::vector<char> initial(pool0.size(), 0);
+    for (int64_t s : batch.processed) {
+      if (!batch.initial[s]) continue;
+      const int64_t line = batch.lines[static_cast<size_t>(s)];
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t i = 0; i < kD; ++i)
+          for (int64_t j = 0; j < kD; ++j)
+            initial[static_cast<size_t>(line * layout.line + hh * layout.head + i * layout.k + j * layout.v)] = 1;
+    }
+    std::vector<uint16_t> bits(pool0.size());
+    for (size_t i = 0; i < pool0.size(); ++i) bits[i] = initial[i] ? kda::state_float_to_bf16(pool0[i]) : kPoison16;
+    pool0 = widen_bf16(bits);
+    set_pool_dtype(kda::DType::BF16);
+  }
+  // The device pool's element type; pool0 is kept (for BF16 it must hold widened values).
+  void set_pool_dtype(kda::DType dtype) {
+    pool_dtype = dtype;
+    d_pool = DeviceBuffer(pool0.size() * kda::dtype_size(dtype));
+  }
+  void upload_pool(const std::vector<float>& pool) {
+    if (pool_dtype == kda::DType::BF16) d_pool.upload(narrow_widened(pool));
+    else d_pool.upload(pool);
   }
 
   struct Result {
     std::vector<uint16_t> o;
-    std::vector<float> pool;
+    std::vector<float> pool;  // widened when the pool is bf16
   };
-  Result result() const { return {d_o.download_as<uint16_t>(), d_pool.download_as<float>()}; }
+  Result result() const {
+    return {d_o.download_as<uint16_t>(), pool_dtype == kda::DType::BF16 ? widen_bf16(d_pool.download_as<uint16_t>())
+                                                                          : d_pool.download_as<float>()};
+  }
 
   struct Reference {
     kda::ref::Matrix o;
@@ -412,7 +473,7 @@ struct DeviceMeta {
 Problem::Result run_on(Problem& pr, const DeviceMeta& meta, const std::vector<float>& pool, bool chunked) {
   pr.d_o.fill_bytes(0xFF);
   pr.d_work.fill_bytes(0xFF);
-  pr.d_pool.upload(pool);
+  pr.upload_pool(pool);
   const kda::PrepRecurrenceArgs a = meta.apply(pr.args());
   if (chunked) kda::kda_chunked(a, pr.d_work.get(), pr.d_work.bytes(), nullptr);
   else kda::kda_prep_recurrence(a, nullptr);
@@ -477,6 +538,28 @@ void stage_checkpoints(const std::vector<CheckpointSpec>& specs, int64_t max_seq
   for (int j = 0; j < spare; ++j) entries.push_back(kda::CheckpointEntry{});
 }
 
+// Elements of the states (every head) of `lines` where the bf16 pool `half` does not hold the
+// fp32 pool `full` rounded to nearest even (both as Problem::Result holds them).
+int64_t rounding_mismatches(const Problem& pr, const std::vector<float>& half, const std::vector<float>& full,
+                            const std::vector<int64_t>& lines) {
+  int64_t off = 0;
+  for (int64_t line : lines) {
+    const std::vector<float> h = line_states(pr, half, line), f = line_states(pr, full, line);
+    for (size_t i = 0; i < h.size(); ++i) {
+      const float want = kda::state_bf16_to_float(kda::state_float_to_bf16(f[i]));
+      off += std::memcmp(&h[i], &want, sizeof(float)) != 0;
+    }
+  }
+  return off;
+}
+
+// The lines of the processed sequences of `batch`.
+std::vector<int64_t> processed_lines(const Batch& batch) {
+  std::vector<int64_t> out;
+  for (int64_t s : batch.processed) out.push_back(batch.lines[static_cast<size_t>(s)]);
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kernel on varlen batches") {
@@ -508,6 +591,110 @@ TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kern
         CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
         CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
       }
+    }
+  }
+}
+
+TEST_CASE("both kernels on bf16 state pools: the fp32 state, widened from and rounded to the pool lines") {
+  // The kernels carry the state in fp32 and touch a bf16 pool only to load a line (widened,
+  // exactly) and to store one (rounded to nearest even). So, against the float64 reference
+  // started from the widened initial lines, o and the final lines stay within the fp32 pools'
+  // tolerances (the store adds at most 2^-9 relative per element); and the same launch on an
+  // fp32 pool holding those widened lines computes the same registers: o bit for bit, and
+  // every bf16 line written is the fp32 run's line rounded. Both layouts, both gates.
+  const std::vector<int32_t> lengths = {1, 16, 17, 65, 130};
+  const int64_t heads = 2;
+  for (bool transposed : {false, true}) {
+    const PoolLayout layout = transposed ? transposed_with_gaps(heads) : contiguous(heads);
+    const std::optional<double> bound = transposed ? std::optional<double>{-5.0} : std::nullopt;
+    CAPTURE(layout.name);
+    std::mt19937_64 rng(2500 + transposed);
+    Batch batch(varlen(lengths, /*flip=*/transposed), /*padding=*/3,
+                /*pool_lines=*/static_cast<int64_t>(lengths.size()) + 6, rng);
+    Problem pr(heads, bound, layout, batch, rng, /*padded=*/transposed, /*centred_keys=*/transposed);
+    pr.use_bf16_pool();
+    const Problem::Reference ref = pr.reference();
+    pr.run_simple();
+    const Problem::Result simple = pr.result();
+    pr.run_chunked();
+    const Problem::Result got = pr.result();
+    const Worst vs_ref = check_reference(pr, got, ref);
+    const Worst simple_vs_ref = check_reference(pr, simple, ref);
+    const Worst vs_simple = check_simple(pr, got, simple);
+    MESSAGE(describe("bf16 pool", heads, bound, layout, vs_ref, vs_simple), "; kda_prep_recurrence vs float64 o ",
+            simple_vs_ref.o, ", state ", simple_vs_ref.state);
+
+    pr.set_pool_dtype(kda::DType::FP32);  // pool0: the same widened lines
+    pr.run_chunked();
+    const Problem::Result got32 = pr.result();
+    pr.run_simple();
+    const Problem::Result simple32 = pr.result();
+    const std::vector<int64_t> lines = processed_lines(batch);
+    const int64_t o_bits = kda::test::diff_bits(got.o.data(), got32.o.data(), got.o.size() * 2) +
+                           kda::test::diff_bits(simple.o.data(), simple32.o.data(), simple.o.size() * 2);
+    const int64_t off = rounding_mismatches(pr, got.pool, got32.pool, lines) +
+                        rounding_mismatches(pr, simple.pool, simple32.pool, lines);
+    MESSAGE("against the runs on the widened fp32 pool: ", o_bits, " o bits differ, ", off,
+            " bf16 state elements are not their states rounded");
+    CHECK(o_bits == 0);
+    CHECK(off == 0);
+  }
+}
+
+TEST_CASE("bf16 state checkpoints are bitwise the final lines of runs cut there") {
+  // A checkpoint line and the final line of a run cut at its offset are the same fp32
+  // registers rounded the same way, in either kernel. Sequence 0 from an initial state with
+  // checkpoints at 64 and 128; 1 on the null line; 2 from zeros at 64 and at 192, its last row
+  // and a chunk end; 3 empty; 4 from an initial state at its last row, inside a chunk.
+  // Checkpoint lines start poisoned, as every line but the initial ones.
+  const std::vector<Seq> seqs = {{140, Kind::Live, true}, {20, Kind::NullLine, true}, {192, Kind::Live, false},
+                                 {0, Kind::Live, true},   {65, Kind::Live, true}};
+  const std::vector<CheckpointSpec> specs = {{0, 64, 64, 2}, {2, 64, 128, 2}, {4, 65, 0, 1}};
+  const int64_t heads = 2;
+  for (bool transposed : {false, true}) {
+    const PoolLayout layout = transposed ? transposed_with_gaps(heads) : contiguous(heads);
+    CAPTURE(layout.name);
+    std::mt19937_64 rng(4500 + transposed);
+    Batch batch(seqs, /*padding=*/2, /*pool_lines=*/static_cast<int64_t>(seqs.size()) + 10, rng);
+    Problem pr(heads, std::nullopt, layout, batch, rng, /*padded=*/transposed, /*centred_keys=*/transposed);
+    pr.use_bf16_pool();
+    std::vector<int32_t> free_lines = unnamed_lines(batch);
+    std::shuffle(free_lines.begin(), free_lines.end(), rng);
+    std::vector<kda::CheckpointSeq> ck_seqs;
+    std::vector<kda::CheckpointEntry> ck_entries;
+    stage_checkpoints(specs, batch.max_seqs, free_lines, /*spare=*/2, ck_seqs, ck_entries);
+    std::vector<int64_t> ck_lines;
+    for (const kda::CheckpointEntry& e : ck_entries)
+      if (e.line >= 0) ck_lines.push_back(e.line);
+    const Problem::Reference ref = pr.reference();
+    const DeviceMeta with_checkpoints(batch.qsl, batch.lines, batch.initial.get(), ck_seqs, ck_entries);
+    for (bool chunked : {true, false}) {
+      CAPTURE(chunked);
+      const Problem::Result got = run_on(pr, with_checkpoints, pr.pool0, chunked);
+      check_reference(pr, got, ref, ck_lines);
+      int64_t worst_bits = 0;
+      double worst_ref = 0;
+      for (const kda::CheckpointEntry& e : ck_entries) {
+        if (e.line < 0) continue;
+        const size_t s = static_cast<size_t>(e.seq);
+        const int64_t rows = batch.qsl[s + 1] - batch.qsl[s], line = batch.lines[s];
+        CAPTURE(e.seq);
+        CAPTURE(e.end);
+        const std::vector<float> ck = line_states(pr, got.pool, e.line);
+        const kda::ref::TruncatedBatch cut = kda::ref::truncated_batch(batch.host(), e.seq, e.end);
+        const std::vector<float> want = e.end == rows
+                                            ? line_states(pr, got.pool, line)
+                                            : line_states(pr, run_on(pr, DeviceMeta(cut), pr.pool0, chunked).pool, line);
+        const int64_t bits = state_diff_bits(ck, want);
+        const double ref_err = state_rel_error(ck, line_states(pr, pr.reference(cut.batch).pool, line));
+        CHECK(bits == 0);
+        CHECK(ref_err <= 5e-3);
+        worst_bits = std::max(worst_bits, bits);
+        worst_ref = std::max(worst_ref, ref_err);
+      }
+      MESSAGE((chunked ? "kda_chunked" : "kda_prep_recurrence"), ", ", layout.name, ", ", ck_lines.size(),
+              " bf16 checkpoints: at most ", worst_bits, " bits differ from the cut runs' final lines; worst relative "
+              "error vs float64 ", worst_ref);
     }
   }
 }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/state_storage.h"
 #include "kda/error.h"
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_recurrence.h"
@@ -138,7 +139,32 @@ PoolLayout transposed_layout(int64_t heads) {
   return {"(line, head, v, k) with gaps", heads * head + 100, head, 1, kD};
 }
 
-// Everything one kda_prep_recurrence launch reads and writes, host and device.
+// A bf16 pool as these tests hold it on the host: each element widened to fp32
+// (kda::state_bf16_to_float), which keeps every bit of the bf16 pattern (NaN payloads too), so
+// pools of either type compare bitwise as floats and feed the fp32 reference as they are.
+std::vector<float> widen_bf16(const std::vector<uint16_t>& bits) {
+  std::vector<float> out(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) out[i] = kda::state_bf16_to_float(bits[i]);
+  return out;
+}
+// The bf16 patterns of widened values: their upper halves (an element with a nonzero lower
+// half is no widened bf16 value, a bug of the test).
+std::vector<uint16_t> narrow_widened(const std::vector<float>& widened) {
+  std::vector<uint16_t> out(widened.size());
+  int64_t not_bf16 = 0;
+  for (size_t i = 0; i < widened.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &widened[i], 4);
+    not_bf16 += (u & 0xFFFFu) != 0;
+    out[i] = static_cast<uint16_t>(u >> 16);
+  }
+  REQUIRE(not_bf16 == 0);
+  return out;
+}
+
+// Everything one kda_prep_recurrence launch reads and writes, host and device. The pool is
+// fp32 unless use_bf16_pool(); pool0 and download_pool() hold a bf16 pool widened (widen_bf16),
+// so the checks below serve both types.
 struct RecurrenceProblem {
   int64_t heads, part, bucket, qkv_stride, g1_stride, b_stride, b_offset, o_stride;
   std::optional<double> lower_bound;
@@ -146,6 +172,7 @@ struct RecurrenceProblem {
   TestBatch& batch;
   std::vector<uint16_t> q, k, v, g1, b;
   std::vector<float> a_log, dt_bias, pool0;
+  kda::DType pool_dtype = kda::DType::FP32;
   DeviceBuffer d_q, d_k, d_v, d_g1, d_b, d_a_log, d_dt_bias, d_pool, d_o;
 
   RecurrenceProblem(int64_t h, std::optional<double> bound, PoolLayout pool_layout, TestBatch& tb,
@@ -214,7 +241,8 @@ struct RecurrenceProblem {
     a.a_log = d_a_log.as<float>();
     a.dt_bias = d_dt_bias.as<float>();
     a.gate_lower_bound = lower_bound;
-    a.states = d_pool.as<float>();
+    a.states = d_pool.get();
+    a.state_dtype = pool_dtype;
     a.cache_lines = batch.cache_lines;
     a.state_stride_line = layout.line;
     a.state_stride_head = layout.head;
@@ -228,9 +256,43 @@ struct RecurrenceProblem {
   // Poisons o, restores the starting pool, launches, waits.
   void run(kda::Stream stream = nullptr) {
     d_o.fill_bytes(0xFF);
-    d_pool.upload(pool0);
+    upload_pool(pool0);
     kda::kda_prep_recurrence(args(), stream);
     kda::test::device_synchronize();
+  }
+
+  // Rounds the starting pool to bf16 values, keeping the starting states of processed
+  // sequences with an initial state (rounded to nearest even) and poisoning every other
+  // element (the 0xFFFF NaN of a 0xFF fill: an element read without cause shows in o, one
+  // written without cause in the checks), and switches the device pool to bf16. pool0 then
+  // holds the widened values, what the fp32 reference starts from.
+  void use_bf16_pool() {
+    std::vector<char> initial(pool0.size(), 0);
+    for (int64_t s : batch.processed) {
+      if (!batch.initial[s]) continue;
+      const int64_t line = batch.lines[static_cast<size_t>(s)];
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t i = 0; i < kD; ++i)
+          for (int64_t j = 0; j < kD; ++j)
+            initial[static_cast<size_t>(line * layout.line + hh * layout.head + i * layout.k + j * layout.v)] = 1;
+    }
+    std::vector<uint16_t> bits(pool0.size());
+    for (size_t i = 0; i < pool0.size(); ++i) bits[i] = initial[i] ? kda::state_float_to_bf16(pool0[i]) : kPoison16;
+    pool0 = widen_bf16(bits);
+    set_pool_dtype(kda::DType::BF16);
+  }
+  // The device pool's element type; pool0 is kept (for BF16 it must hold widened values).
+  void set_pool_dtype(kda::DType dtype) {
+    pool_dtype = dtype;
+    d_pool = DeviceBuffer(pool0.size() * kda::dtype_size(dtype));
+  }
+  void upload_pool(const std::vector<float>& pool) {
+    if (pool_dtype == kda::DType::BF16) d_pool.upload(narrow_widened(pool));
+    else d_pool.upload(pool);
+  }
+  // The device pool, widened when it is bf16.
+  std::vector<float> download_pool() const {
+    return pool_dtype == kda::DType::BF16 ? widen_bf16(d_pool.download_as<uint16_t>()) : d_pool.download_as<float>();
   }
 
   struct Reference {
@@ -374,10 +436,10 @@ struct RunResult {
 // One kda_prep_recurrence launch on `meta` from `pool`, o poisoned.
 RunResult run_on(RecurrenceProblem& pr, const DeviceMeta& meta, const std::vector<float>& pool) {
   pr.d_o.fill_bytes(0xFF);
-  pr.d_pool.upload(pool);
+  pr.upload_pool(pool);
   kda::kda_prep_recurrence(meta.apply(pr.args()), nullptr);
   kda::test::device_synchronize();
-  return {download<uint16_t>(pr.d_o), download<float>(pr.d_pool)};
+  return {download<uint16_t>(pr.d_o), pr.download_pool()};
 }
 
 // The states (every head, (head, k, v) order) of pool line `line`.
@@ -393,6 +455,21 @@ std::vector<float> line_states(const RecurrenceProblem& pr, const std::vector<fl
 int64_t state_diff_bits(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());
   return kda::test::diff_bits(a.data(), b.data(), a.size() * sizeof(float));
+}
+
+// Elements of the states (every head) of `lines` where the bf16 pool `half` does not hold the
+// fp32 pool `full` rounded to nearest even (both as download_pool() gives them).
+int64_t rounding_mismatches(const RecurrenceProblem& pr, const std::vector<float>& half,
+                            const std::vector<float>& full, const std::vector<int64_t>& lines) {
+  int64_t off = 0;
+  for (int64_t line : lines) {
+    const std::vector<float> h = line_states(pr, half, line), f = line_states(pr, full, line);
+    for (size_t i = 0; i < h.size(); ++i) {
+      const float want = kda::state_bf16_to_float(kda::state_float_to_bf16(f[i]));
+      off += std::memcmp(&h[i], &want, sizeof(float)) != 0;
+    }
+  }
+  return off;
 }
 
 }  // namespace
@@ -414,7 +491,7 @@ TEST_CASE("kda_prep_recurrence matches the float64 reference on varlen batches")
         RecurrenceProblem pr(heads, bound, layout, batch, rng, /*padded_strides=*/transposed);
         pr.run();
         const auto o1 = download<uint16_t>(pr.d_o);
-        const auto pool1 = download<float>(pr.d_pool);
+        const auto pool1 = pr.download_pool();
         const WorstErrors worst = check_recurrence(pr, pr.reference(), o1, pool1);
         std::ostringstream line;
         line << "H " << heads << (bound ? ", lower bound, " : ", softplus, ") << layout.name
@@ -423,9 +500,51 @@ TEST_CASE("kda_prep_recurrence matches the float64 reference on varlen batches")
 
         pr.run();  // from the same starting pool: bitwise the same
         CHECK(kda::test::diff_bits(o1.data(), download<uint16_t>(pr.d_o).data(), o1.size() * 2) == 0);
-        CHECK(kda::test::diff_bits(pool1.data(), download<float>(pr.d_pool).data(), pool1.size() * 4) == 0);
+        CHECK(kda::test::diff_bits(pool1.data(), pr.download_pool().data(), pool1.size() * 4) == 0);
       }
     }
+  }
+}
+
+TEST_CASE("kda_prep_recurrence on bf16 state pools: the fp32 state, widened from and rounded to the pool lines") {
+  // The kernel carries the state in fp32 and touches a bf16 pool only to load a line (widened,
+  // exactly) and to store one (rounded to nearest even). So, against the float64 reference
+  // started from the widened initial lines, o and the final lines stay within the fp32 pools'
+  // tolerances (the store adds at most 2^-9 relative per element); and the same launch on an
+  // fp32 pool holding those widened lines computes the same registers: o bit for bit, and
+  // every bf16 line written is the fp32 run's line rounded. Both layouts, both gates.
+  const std::vector<int32_t> lengths = {1, 16, 17, 65, 130};
+  const int64_t heads = 2;
+  for (bool transposed : {false, true}) {
+    const PoolLayout layout = transposed ? transposed_layout(heads) : contiguous_layout(heads);
+    const std::optional<double> bound = transposed ? std::optional<double>{-5.0} : std::nullopt;
+    CAPTURE(layout.name);
+    std::mt19937_64 rng(1500 + transposed);
+    TestBatch batch(spec_from_lengths(lengths, /*flip=*/transposed), /*padding=*/3,
+                    /*pool_lines=*/static_cast<int64_t>(lengths.size()) + 5, /*null=*/0, rng);
+    RecurrenceProblem pr(heads, bound, layout, batch, rng, /*padded_strides=*/transposed);
+    pr.use_bf16_pool();
+    pr.run();
+    const auto o = download<uint16_t>(pr.d_o);
+    const auto pool = pr.download_pool();
+    const WorstErrors worst = check_recurrence(pr, pr.reference(), o, pool);
+    MESSAGE("bf16 pool, ", layout.name, ": worst relative error o ", worst.o, ", final state ", worst.state);
+    pr.run();  // from the same starting pool: bitwise the same
+    CHECK(kda::test::diff_bits(o.data(), download<uint16_t>(pr.d_o).data(), o.size() * 2) == 0);
+    CHECK(kda::test::diff_bits(pool.data(), pr.download_pool().data(), pool.size() * 4) == 0);
+
+    pr.set_pool_dtype(kda::DType::FP32);  // pool0: the same widened lines
+    pr.run();
+    const auto o32 = download<uint16_t>(pr.d_o);
+    const auto pool32 = pr.download_pool();
+    std::vector<int64_t> lines;
+    for (int64_t s : batch.processed) lines.push_back(batch.lines[static_cast<size_t>(s)]);
+    const int64_t o_bits = kda::test::diff_bits(o.data(), o32.data(), o.size() * 2);
+    const int64_t off = rounding_mismatches(pr, pool, pool32, lines);
+    MESSAGE("against the run on the widened fp32 pool: ", o_bits, " o bits differ, ", off,
+            " bf16 state elements are not its states rounded");
+    CHECK(o_bits == 0);
+    CHECK(off == 0);
   }
 }
 
@@ -441,7 +560,7 @@ TEST_CASE("a captured kda_prep_recurrence replays with new batch metadata") {
   RecurrenceProblem pr(heads, std::nullopt, contiguous_layout(heads), second, rng, false);
   pr.run();
   const auto o_direct = download<uint16_t>(pr.d_o);
-  const auto pool_direct = download<float>(pr.d_pool);
+  const auto pool_direct = pr.download_pool();
 
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
@@ -463,11 +582,11 @@ TEST_CASE("a captured kda_prep_recurrence replays with new batch metadata") {
   second.d_lines.upload(second.lines);
   second.d_initial.upload(second.initial.get(), static_cast<size_t>(second.max_seqs));
   pr.d_o.fill_bytes(0xFF);
-  pr.d_pool.upload(pr.pool0);
+  pr.upload_pool(pr.pool0);
   REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
   REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
   CHECK(kda::test::diff_bits(o_direct.data(), download<uint16_t>(pr.d_o).data(), o_direct.size() * 2) == 0);
-  CHECK(kda::test::diff_bits(pool_direct.data(), download<float>(pr.d_pool).data(), pool_direct.size() * 4) == 0);
+  CHECK(kda::test::diff_bits(pool_direct.data(), pr.download_pool().data(), pool_direct.size() * 4) == 0);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
@@ -478,7 +597,7 @@ TEST_CASE("kda_prep_recurrence with bad arguments throws and enqueues nothing") 
   TestBatch batch({{9, SeqKind::Live, true}, {4, SeqKind::Live, false}}, 0, 4, 0, rng);
   RecurrenceProblem pr(2, std::nullopt, contiguous_layout(2), batch, rng, false);
   pr.d_o.fill_bytes(0xFF);
-  pr.d_pool.upload(pr.pool0);
+  pr.upload_pool(pr.pool0);
   kda::PrepRecurrenceArgs a = pr.args();
   SUBCASE("misaligned q") { a.q = static_cast<const char*>(a.q) + 2; }
   SUBCASE("head_dim 64") { a.head_dim = 64; }
@@ -488,7 +607,7 @@ TEST_CASE("kda_prep_recurrence with bad arguments throws and enqueues nothing") 
   kda::test::device_synchronize();
   const auto o = download<uint16_t>(pr.d_o);
   CHECK(std::count(o.begin(), o.end(), kPoison16) == static_cast<std::ptrdiff_t>(o.size()));
-  const auto pool = download<float>(pr.d_pool);
+  const auto pool = pr.download_pool();
   CHECK(kda::test::diff_bits(pool.data(), pr.pool0.data(), pool.size() * 4) == 0);
 }
 

@@ -38,7 +38,7 @@ kda::PrepRecurrenceArgs valid_recurrence_args() {
   a.b_col_offset = 1152;
   a.a_log = fake<const float>(9);
   a.dt_bias = fake<const float>(10);
-  a.states = fake<float>(11);
+  a.states = fake<void>(11);
   a.cache_lines = 5;
   a.state_stride_line = 3 * 128 * 128;
   a.state_stride_head = 128 * 128;
@@ -81,6 +81,20 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
   SUBCASE("missing metadata") { a.cache_indices = nullptr; expect = "cache_indices"; }
   SUBCASE("missing plane") { a.v = nullptr; expect = "q, k, v, g1 and b"; }
   SUBCASE("missing pool") { a.states = nullptr; expect = "states"; }
+  SUBCASE("fp16 state pool") { a.state_dtype = kda::DType::FP16; expect = "state_dtype fp16"; }
+  SUBCASE("state_dtype out of range") {
+    a.state_dtype = static_cast<kda::DType>(7);
+    expect = "state_dtype invalid DType (value 7) is not supported";
+  }
+  SUBCASE("fp32 pool on a 2-byte boundary") {
+    a.states = static_cast<char*>(a.states) + 2;
+    expect = "states must be aligned to its 4-byte elements (state_dtype fp32)";
+  }
+  SUBCASE("bf16 pool on an odd address") {
+    a.state_dtype = kda::DType::BF16;
+    a.states = static_cast<char*>(a.states) + 1;
+    expect = "states must be aligned to its 2-byte elements (state_dtype bf16)";
+  }
   SUBCASE("missing o") { a.o = nullptr; expect = "o must be set"; }
   SUBCASE("row stride below P") { a.qkv_row_stride = 380; expect = "qkv_row_stride 380"; }
   SUBCASE("row stride not a multiple of 4") { a.g1_row_stride = 386; expect = "g1_row_stride 386"; }
@@ -101,6 +115,14 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
     CHECK(kda::kda_prep_recurrence_supported(a, &why));
     return;
   }
+  SUBCASE("a bf16 pool on a 2-byte boundary is fine") {
+    a.state_dtype = kda::DType::BF16;
+    a.states = static_cast<char*>(a.states) + 2;
+    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    std::string chunked_why;
+    CHECK(kda::kda_chunked_supported(a, &chunked_why));
+    return;
+  }
   SUBCASE("a lower bound and has_initial_state absent are fine") {
     a.gate_lower_bound = -5.0;
     a.has_initial_state = nullptr;
@@ -111,6 +133,9 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
   CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
   CHECK(why.find(expect) != std::string::npos);
   CHECK_FALSE(kda::kda_prep_recurrence_supported(a));  // why is optional
+  std::string chunked_why;  // the chunked kernel shares the checks
+  CHECK_FALSE(kda::kda_chunked_supported(a, &chunked_why));
+  CHECK(chunked_why == why);
   // The launcher reports the same sentence before touching the device.
   try {
     kda::kda_prep_recurrence(a, nullptr);
