@@ -38,7 +38,11 @@ for stage in "${stages[@]}"; do
       fi
       ;;
     test)
-      KDA_REQUIRE_GPU=1 BUILD_DIR="$build" timeout "${TEST_TIMEOUT:-400}" bash scripts/run_tests.sh > "$OUT/tests.log" 2>&1
+      # The GPU programs (meson suite gpu); TEST_SUITE=all adds the CPU suite, which CI runs anyway.
+      suite_args="--suite gpu"
+      [ "${TEST_SUITE:-gpu}" = all ] && suite_args=
+      KDA_REQUIRE_GPU=1 BUILD_DIR="$build" MESON_TEST_ARGS="$suite_args" timeout "${TEST_TIMEOUT:-400}" \
+        bash scripts/run_tests.sh > "$OUT/tests.log" 2>&1
       rc=$?
       cp "$build/meson-logs/testlog.txt" "$OUT/testlog.txt" 2>/dev/null
       grep -E "^(not ok|FAIL| *[0-9]+/[0-9]+ .*(FAIL|ERROR|TIMEOUT))" "$OUT/tests.log" | head -20
@@ -64,19 +68,16 @@ for stage in "${stages[@]}"; do
       done
       ;;
     bench)
-      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_conv" --out "$OUT/bench_conv.md" > "$OUT/bench.log" 2>&1
-      note "bench_conv rc $?"
-      # The quick launch-shape sweep behind the conv's default tuning (rc 1: a tuning's bits differ).
-      timeout "${BENCH_TIMEOUT:-120}" "$build/bench/bench_conv_tunings" --quick --out "$OUT/bench_conv_tunings.md" \
-        >> "$OUT/bench.log" 2>&1
-      note "bench_conv_tunings --quick rc $?"
-      timeout "${BENCH_TIMEOUT:-300}" "$build/bench/bench_module" --out "$OUT/bench_module.md" >> "$OUT/bench.log" 2>&1
-      note "bench_module rc $?"
-      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_gemm" --out "$OUT/bench_gemm.md" >> "$OUT/bench.log" 2>&1
-      note "bench_gemm rc $?"
-      timeout "${BENCH_TIMEOUT:-150}" "$build/bench/bench_kda_core" --out "$OUT/bench_kda_core.md" >> "$OUT/bench.log" 2>&1
-      note "bench_kda_core rc $?"
-      cat "$OUT/bench_conv.md" "$OUT/bench_conv_tunings.md" "$OUT/bench_module.md" 2>/dev/null
+      # BENCHES picks and orders the benchmarks (default: all five). bench_conv_tunings runs its
+      # quick launch-shape sweep (rc 1: a tuning's bits differ from the default's).
+      : > "$OUT/bench.log"
+      for b in ${BENCHES:-conv module kda_core gemm conv_tunings}; do
+        args=(--out "$OUT/bench_$b.md")
+        [ "$b" = conv_tunings ] && args+=(--quick)
+        timeout "${BENCH_TIMEOUT:-300}" "$build/bench/bench_$b" "${args[@]}" >> "$OUT/bench.log" 2>&1
+        note "bench_$b rc $?"
+        cat "$OUT/bench_$b.md" 2>/dev/null
+      done
       ;;
     steps)
       # Per-step GPU time of one layer (profile_steps), both configs.
@@ -119,6 +120,16 @@ for stage in "${stages[@]}"; do
       rc=$?
       tail -6 "$OUT/driver_prefix_sharing.log"
       note "driver --prefix-sharing rc $rc: $(tail -1 "$OUT/driver_prefix_sharing.log")"
+      # The same with bf16 state pools.
+      sed -e 's/recurrent_dtype: fp32/recurrent_dtype: bf16/' -e 's/conv_dtype: fp32/conv_dtype: bf16/' \
+        configs/default.yaml > "$OUT/default-bf16-pools.yaml"
+      for mode in --check --prefix-sharing; do
+        timeout "${DRIVER_TIMEOUT:-120}" "$build/examples/prefill_driver" --config "$OUT/default-bf16-pools.yaml" $mode \
+          > "$OUT/driver_bf16${mode}.log" 2>&1
+        rc=$?
+        tail -4 "$OUT/driver_bf16${mode}.log"
+        note "driver bf16 pools $mode rc $rc: $(tail -1 "$OUT/driver_bf16${mode}.log")"
+      done
       ;;
     tp)
       # Tensor parallelism: the driver's ranks against TP = 1, on as many GPUs as there are (1, 2,
