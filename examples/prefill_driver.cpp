@@ -233,9 +233,11 @@ std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& 
     throw std::invalid_argument("--tp needs runtime.layer_steps: full (the all-reduce sums the layer output); " +
                                 opt.config + " has layer_steps: conv");
   if (full.pools.external || full.pools.recurrent_layout != kda::RecurrentLayout::HKV ||
-      full.pools.conv_layout != kda::ConvStateLayout::DimTap)
-    throw std::invalid_argument("--tp cuts module-owned pools in the default layouts (src/testing/tp_shard.h); " +
-                                opt.config + " sets pools.external, pools.recurrent_layout or pools.conv_layout");
+      full.pools.conv_layout != kda::ConvStateLayout::DimTap || full.pools.recurrent_dtype != kda::DType::FP32 ||
+      full.pools.conv_dtype != kda::DType::FP32)
+    throw std::invalid_argument("--tp cuts module-owned fp32 pools in the default layouts (src/testing/tp_shard.h); " +
+                                opt.config +
+                                " sets pools.external, pools.recurrent_layout, pools.conv_layout or a bf16 pools.*_dtype");
   std::vector<kda::Config> rank_cfg(N, full);
   for (int r = 0; r < N; ++r) {
     rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);  // throws when the heads do not divide
@@ -326,15 +328,16 @@ ModuleMemory module_memory(const kda::Config& cfg) {
     mem.once.push_back({"chunked recurrence workspace", ((B >> 6) + S) * H * 90624,
                         "(" + n(B) + "/64 + max_seqs " + n(S) + ") x H " + n(H) + " x 90624-byte record"});
   // PrefillModule::Impl: per layer, the two pools, Config::conv_pool_elems() and
-  // recurrent_pool_elems() fp32 elements, unless pools.external (the server's memory; this
+  // recurrent_pool_elems() elements of pools.conv_dtype / recurrent_dtype, unless pools.external (the server's memory; this
   // driver then allocates the same amount itself and hands it over with set_layer_pools).
-  mem.conv_pool = cfg.pools.external ? 0 : cfg.conv_pool_elems() * fp32;
-  mem.recurrent_pool = cfg.pools.external ? 0 : cfg.recurrent_pool_elems() * fp32;
+  const kda::DType cd = cfg.pools.conv_dtype, rd = cfg.pools.recurrent_dtype;
+  mem.conv_pool = cfg.pools.external ? 0 : cfg.conv_pool_elems() * static_cast<int64_t>(kda::dtype_size(cd));
+  mem.recurrent_pool = cfg.pools.external ? 0 : cfg.recurrent_pool_elems() * static_cast<int64_t>(kda::dtype_size(rd));
   mem.per_layer = {
       {"conv-state pool", mem.conv_pool,
-       "cache_lines " + n(cfg.pools.cache_lines) + " x 3P " + n(3 * P) + " x 3 taps fp32"},
+       "cache_lines " + n(cfg.pools.cache_lines) + " x 3P " + n(3 * P) + " x 3 taps " + kda::dtype_name(cd)},
       {"recurrent-state pool", mem.recurrent_pool,
-       "cache_lines " + n(cfg.pools.cache_lines) + " x H " + n(H) + " x 128 x 128 fp32"},
+       "cache_lines " + n(cfg.pools.cache_lines) + " x H " + n(H) + " x 128 x 128 " + kda::dtype_name(rd)},
   };
   for (const auto& t : mem.once) mem.device_total += t.bytes;
   for (const auto& t : mem.per_layer) mem.device_total += t.bytes * rt.num_layers;
@@ -391,13 +394,17 @@ void print_validated(const Options& opt, const kda::Config& cfg, const std::vect
               (long long)rt.num_layers, rt.num_layers == 1 ? "" : "s", steps_name(rt.layer_steps),
               recurrence_name(rt.recurrence), rt.capture == kda::CaptureMode::Eager ? "eager" : "lazy",
               rt.use_graphs ? "on" : "off", mib(rt.gemm_workspace_bytes).c_str());
-  const int64_t conv_line = cfg.conv_line_elems() * 4, rec_line = cfg.recurrent_line_elems() * 4;
-  std::printf("  pools: %lld cache lines (null line %d), %s; a line holds conv-state %lld bytes, %s, and "
-              "recurrent-state %lld bytes, %s (fp32); per layer %s\n",
+  const int64_t conv_line = cfg.conv_line_elems() * static_cast<int64_t>(kda::dtype_size(cfg.pools.conv_dtype));
+  const int64_t rec_line =
+      cfg.recurrent_line_elems() * static_cast<int64_t>(kda::dtype_size(cfg.pools.recurrent_dtype));
+  std::printf("  pools: %lld cache lines (null line %d), %s; a line holds conv-state %lld bytes, %s %s, and "
+              "recurrent-state %lld bytes, %s %s; per layer %s\n",
               (long long)cfg.pools.cache_lines, cfg.pools.null_line,
               cfg.pools.external ? "external (the server's memory, handed over with set_layer_pools)" : "module-owned",
               (long long)conv_line, cfg.pools.conv_layout == kda::ConvStateLayout::DimTap ? "(3P, 3)" : "(3, 3P)",
-              (long long)rec_line, cfg.pools.recurrent_layout == kda::RecurrentLayout::HKV ? "(H, K, V)" : "(H, V, K)",
+              kda::dtype_name(cfg.pools.conv_dtype), (long long)rec_line,
+              cfg.pools.recurrent_layout == kda::RecurrentLayout::HKV ? "(H, K, V)" : "(H, V, K)",
+              kda::dtype_name(cfg.pools.recurrent_dtype),
               mib(cfg.pools.cache_lines * (conv_line + rec_line)).c_str());
   std::printf("  tensor parallel: size %lld, rank %lld\n", (long long)cfg.tensor_parallel.size,
               (long long)cfg.tensor_parallel.rank);
@@ -823,14 +830,17 @@ int main(int argc, char** argv) {
     std::vector<kda::detail::DeviceBuffer> server_pools;
     if (cfg.pools.external) {
       for (int l = 0; l < static_cast<int>(cfg.runtime.num_layers); ++l) {
-        server_pools.emplace_back(static_cast<size_t>(cfg.conv_pool_elems()) * 4, "the driver's conv-state pool");
-        server_pools.emplace_back(static_cast<size_t>(cfg.recurrent_pool_elems()) * 4, "the driver's recurrent-state pool");
+        const size_t conv_bytes = static_cast<size_t>(cfg.conv_pool_elems()) * kda::dtype_size(cfg.pools.conv_dtype);
+        const size_t rec_bytes =
+            static_cast<size_t>(cfg.recurrent_pool_elems()) * kda::dtype_size(cfg.pools.recurrent_dtype);
+        server_pools.emplace_back(conv_bytes, "the driver's conv-state pool");
+        server_pools.emplace_back(rec_bytes, "the driver's recurrent-state pool");
         kda::StatePools p;
-        p.conv = server_pools[server_pools.size() - 2].as<float>();
-        p.recurrent = server_pools.back().as<float>();
+        p.conv = server_pools[server_pools.size() - 2].get();
+        p.recurrent = server_pools.back().get();
         p.lines = cfg.pools.cache_lines;
-        cuda_or_die(cudaMemset(p.conv, 0, static_cast<size_t>(cfg.conv_pool_elems()) * 4), "cudaMemset(pool)");
-        cuda_or_die(cudaMemset(p.recurrent, 0, static_cast<size_t>(cfg.recurrent_pool_elems()) * 4), "cudaMemset(pool)");
+        cuda_or_die(cudaMemset(p.conv, 0, conv_bytes), "cudaMemset(pool)");
+        cuda_or_die(cudaMemset(p.recurrent, 0, rec_bytes), "cudaMemset(pool)");
         module.set_layer_pools(l, p);
       }
       cuda_or_die(cudaDeviceSynchronize(), "cudaDeviceSynchronize");

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,18 +53,38 @@ struct OneSeq {
   }
 };
 
-// The layer's conv and recurrent state of `line`, fp32, as one host vector per layer.
+// `count` elements of type `dtype` (fp32 or bf16) at device address `src`, widened to fp32.
+std::vector<float> download_widened(const void* src, int64_t count, kda::DType dtype) {
+  std::vector<float> v(static_cast<size_t>(count));
+  if (dtype == kda::DType::FP32) {
+    check(cudaMemcpy(v.data(), src, v.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy (state line)");
+    return v;
+  }
+  std::vector<uint16_t> h(v.size());
+  check(cudaMemcpy(h.data(), src, h.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy (state line)");
+  for (size_t i = 0; i < h.size(); ++i) {
+    const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;  // bf16 is the top half of an fp32
+    std::memcpy(&v[i], &bits, 4);
+  }
+  return v;
+}
+
+// Byte address of element `elems` of a pool of `dtype`.
+char* pool_at(void* pool, int64_t elems, kda::DType dtype) {
+  return static_cast<char*>(pool) + elems * static_cast<int64_t>(kda::dtype_size(dtype));
+}
+
+// The layer's conv and recurrent state of `line`, widened to fp32, as one host vector per layer.
 std::vector<std::vector<float>> line_states(kda::PrefillModule& m, int32_t line) {
   const kda::Config& c = m.config();
+  const kda::DType cd = c.pools.conv_dtype, rd = c.pools.recurrent_dtype;
   std::vector<std::vector<float>> out;
   for (int l = 0; l < static_cast<int>(c.runtime.num_layers); ++l) {
-    std::vector<float> v(static_cast<size_t>(c.conv_line_elems() + c.recurrent_line_elems()));
-    check(cudaMemcpy(v.data(), m.conv_state_pool(l) + line * m.conv_state_strides(l).line,
-                     static_cast<size_t>(c.conv_line_elems()) * 4, cudaMemcpyDeviceToHost),
-          "cudaMemcpy (conv line)");
-    check(cudaMemcpy(v.data() + c.conv_line_elems(), m.recurrent_state_pool(l) + line * m.recurrent_state_strides(l).line,
-                     static_cast<size_t>(c.recurrent_line_elems()) * 4, cudaMemcpyDeviceToHost),
-          "cudaMemcpy (recurrent line)");
+    std::vector<float> v =
+        download_widened(pool_at(m.conv_state_pool(l), line * m.conv_state_strides(l).line, cd), c.conv_line_elems(), cd);
+    const std::vector<float> r = download_widened(
+        pool_at(m.recurrent_state_pool(l), line * m.recurrent_state_strides(l).line, rd), c.recurrent_line_elems(), rd);
+    v.insert(v.end(), r.begin(), r.end());
     out.push_back(std::move(v));
   }
   return out;
@@ -72,13 +93,17 @@ std::vector<std::vector<float>> line_states(kda::PrefillModule& m, int32_t line)
 // Copies line `from` to line `to` in both pools of every layer, on `stream`.
 void copy_line(kda::PrefillModule& m, int32_t from, int32_t to, cudaStream_t stream) {
   const kda::Config& c = m.config();
+  const kda::DType cd = c.pools.conv_dtype, rd = c.pools.recurrent_dtype;
   for (int l = 0; l < static_cast<int>(c.runtime.num_layers); ++l) {
     const int64_t cl = m.conv_state_strides(l).line, rl = m.recurrent_state_strides(l).line;
-    check(cudaMemcpyAsync(m.conv_state_pool(l) + to * cl, m.conv_state_pool(l) + from * cl,
-                          static_cast<size_t>(c.conv_line_elems()) * 4, cudaMemcpyDeviceToDevice, stream),
+    check(cudaMemcpyAsync(pool_at(m.conv_state_pool(l), to * cl, cd), pool_at(m.conv_state_pool(l), from * cl, cd),
+                          static_cast<size_t>(c.conv_line_elems()) * kda::dtype_size(cd), cudaMemcpyDeviceToDevice,
+                          stream),
           "cudaMemcpyAsync (conv line)");
-    check(cudaMemcpyAsync(m.recurrent_state_pool(l) + to * rl, m.recurrent_state_pool(l) + from * rl,
-                          static_cast<size_t>(c.recurrent_line_elems()) * 4, cudaMemcpyDeviceToDevice, stream),
+    check(cudaMemcpyAsync(pool_at(m.recurrent_state_pool(l), to * rl, rd),
+                          pool_at(m.recurrent_state_pool(l), from * rl, rd),
+                          static_cast<size_t>(c.recurrent_line_elems()) * kda::dtype_size(rd),
+                          cudaMemcpyDeviceToDevice, stream),
           "cudaMemcpyAsync (recurrent line)");
   }
 }

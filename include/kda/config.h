@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kda/error.h"
+#include "kda/types.h"
 
 namespace kda {
 
@@ -62,14 +63,14 @@ struct RuntimeConfig {
   }
 };
 
-// How one line of a recurrent-state pool orders a sequence's state (fp32): per head, K x V
+// How one line of a recurrent-state pool orders a sequence's state: per head, K x V
 // with v fastest, or V x K with k fastest (the transposed form some decode kernels read).
 enum class RecurrentLayout {
   HKV,  // (H, K, V)                                                    (pools.recurrent_layout: hkv)
   HVK,  // (H, V, K)                                                    (pools.recurrent_layout: hvk)
 };
 
-// How one line of a conv-state pool orders the last 3 inputs of the 3P conv channels (fp32).
+// How one line of a conv-state pool orders the last 3 inputs of the 3P conv channels.
 enum class ConvStateLayout {
   DimTap,  // (3P, 3): a channel's 3 taps together, oldest first        (pools.conv_layout: dim_tap)
   TapDim,  // (3, 3P): one tap of every channel together                (pools.conv_layout: tap_dim)
@@ -85,6 +86,12 @@ struct PoolConfig {
   bool external = false;                //                                       (pools.external)
   RecurrentLayout recurrent_layout = RecurrentLayout::HKV;  //            (pools.recurrent_layout)
   ConvStateLayout conv_layout = ConvStateLayout::DimTap;    //                 (pools.conv_layout)
+  // Element type of the pool lines: FP32 or BF16 (pools.recurrent_dtype / pools.conv_dtype:
+  // fp32|bf16). The kernels compute in fp32 either way. A bf16 conv state is exact (it holds
+  // bf16 conv inputs); a bf16 recurrent state is rounded to nearest even each time a line is
+  // written (8 significant bits), docs/layer.md "State pools".
+  DType recurrent_dtype = DType::FP32;  //                                   (pools.recurrent_dtype)
+  DType conv_dtype = DType::FP32;       //                                        (pools.conv_dtype)
 };
 
 // Tensor parallelism: this module runs rank `rank` of `size` ranks; model.num_heads is the heads
@@ -103,8 +110,9 @@ struct Config {
   TensorParallelConfig tensor_parallel;  // optional section; default one rank
   std::string name;  // for display only; empty when absent (top-level `name:`)
 
-  // fp32 elements of one line of each pool, and of one layer's pools as the module allocates
-  // them (lines packed: cache_lines x line elements).
+  // Elements of one line of each pool, and of one layer's pools as the module allocates them
+  // (lines packed: cache_lines x line elements), in the pools' element types
+  // (pools.conv_dtype, pools.recurrent_dtype; dtype_size gives their bytes).
   int64_t conv_line_elems() const { return 3 * model.part_dim() * 3; }
   int64_t recurrent_line_elems() const { return model.num_heads * model.head_dim * model.head_dim; }
   int64_t conv_pool_elems() const { return pools.cache_lines * conv_line_elems(); }

@@ -113,13 +113,14 @@ struct RecurrentStateStrides {
   int64_t line = 0, head = 0, k = 0, v = 0;
 };
 
-// One layer's state pools in device memory the server owns (pools.external: true), fp32 in the
-// config's layouts. Lines [0, pools.cache_lines) are read and written; whatever lies between
-// lines (a line stride above the line's elements) is never touched.
+// One layer's state pools in device memory the server owns (pools.external: true), in the
+// config's layouts and element types (pools.conv_dtype, pools.recurrent_dtype: fp32 or bf16).
+// Lines [0, pools.cache_lines) are read and written; whatever lies between lines (a line stride
+// above the line's elements) is never touched. Strides count elements of the pool's type.
 struct StatePools {
-  float* conv = nullptr;
+  void* conv = nullptr;
   int64_t conv_line_stride = 0;       // elements between lines; 0: conv_line_elems() (packed)
-  float* recurrent = nullptr;
+  void* recurrent = nullptr;
   int64_t recurrent_line_stride = 0;  // elements between lines; 0: recurrent_line_elems()
   int64_t lines = 0;                  // lines the memory holds; >= pools.cache_lines
 };
@@ -144,10 +145,12 @@ struct StepContext {
   void* k = nullptr;
   void* v = nullptr;
   void* out = nullptr;                     // (bucket_tokens, D) bf16 layer output
-  float* conv_states = nullptr;            // this layer's conv pool, fp32, conv_strides
-  float* recurrent_states = nullptr;       // this layer's recurrent pool, fp32, recurrent_strides
+  void* conv_states = nullptr;             // this layer's conv pool, conv_strides, conv_state_dtype
+  void* recurrent_states = nullptr;        // this layer's recurrent pool, recurrent_strides, ..._dtype
   ConvStateStrides conv_strides;
   RecurrentStateStrides recurrent_strides;
+  DType conv_state_dtype = DType::FP32;       // pools.conv_dtype: FP32 or BF16
+  DType recurrent_state_dtype = DType::FP32;  // pools.recurrent_dtype: FP32 or BF16
   const LayerWeights* weights = nullptr;
   const Config* config = nullptr;
 };
@@ -205,19 +208,20 @@ class PrefillModule {
   // The conv planes q, k, v: (3, capacity, P) bf16, plane i at conv_planes() + i*capacity*P.
   const void* conv_planes() const;
   const void* in_proj_output() const;  // (largest bucket, in_proj_stride) bf16 scratch
-  // This layer's pools, fp32: conv (cache_lines, 3P, 3) and recurrent (cache_lines, H, 128, 128)
-  // in the default layouts, packed, when the module owns them; the server's memory with
-  // pools.external (null until set_layer_pools). state_pools(layer) gives the strides too.
-  float* conv_state_pool(int layer);
-  float* recurrent_state_pool(int layer);
+  // This layer's pools: conv (cache_lines, 3P, 3) and recurrent (cache_lines, H, 128, 128) in
+  // the default layouts, packed, when the module owns them; the server's memory with
+  // pools.external (null until set_layer_pools). Elements are fp32 or bf16 as pools.conv_dtype
+  // and pools.recurrent_dtype say. state_pools(layer) gives the strides too.
+  void* conv_state_pool(int layer);
+  void* recurrent_state_pool(int layer);
   StatePools state_pools(int layer) const;
   ConvStateStrides conv_state_strides(int layer) const;
   RecurrentStateStrides recurrent_state_strides(int layer) const;
 
   // pools.external: true. Hands the module this layer's pools (not copied, not freed: they must
   // outlive the module's use of them). Needed before the layer's first forward. Throws, and
-  // keeps the old pools, when the config owns its pools, a pointer is null or not 4-byte
-  // aligned, a line stride is below the line's elements, lines < pools.cache_lines, or a step
+  // keeps the old pools, when the config owns its pools, a pointer is null or not aligned to
+  // its element type, a line stride is below the line's elements, lines < pools.cache_lines, or a step
   // cannot run them. Graphs record the pool pointers: other pointers than before make the
   // layer's graphs stale (re-recorded on next use), the same pointers keep them.
   void set_layer_pools(int layer, const StatePools& pools);

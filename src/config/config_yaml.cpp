@@ -310,7 +310,8 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
 
 void read_pools(Reader& r, const Entry& section, PoolConfig& pools) {
   const auto e = r.section(section.value, section.path, section.line,
-                           {"cache_lines", "null_line", "external", "recurrent_layout", "conv_layout"});
+                           {"cache_lines", "null_line", "external", "recurrent_layout", "conv_layout",
+                            "recurrent_dtype", "conv_dtype"});
   pools.cache_lines = r.integer(r.require(e, "cache_lines", section.path, section.line));
   if (const Entry* v = r.find(e, "null_line")) {
     const int64_t line = r.integer(*v);
@@ -323,6 +324,10 @@ void read_pools(Reader& r, const Entry& section, PoolConfig& pools) {
     pools.recurrent_layout = r.choice(*v, "hkv", RecurrentLayout::HKV, "hvk", RecurrentLayout::HVK);
   if (const Entry* v = r.find(e, "conv_layout"))
     pools.conv_layout = r.choice(*v, "dim_tap", ConvStateLayout::DimTap, "tap_dim", ConvStateLayout::TapDim);
+  if (const Entry* v = r.find(e, "recurrent_dtype"))
+    pools.recurrent_dtype = r.choice(*v, "fp32", DType::FP32, "bf16", DType::BF16);
+  if (const Entry* v = r.find(e, "conv_dtype"))
+    pools.conv_dtype = r.choice(*v, "fp32", DType::FP32, "bf16", DType::BF16);
 }
 
 void read_tensor_parallel(Reader& r, const Entry& section, TensorParallelConfig& tp) {

@@ -78,19 +78,25 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
   // elements, never what lies between lines (an external pool's gaps are the server's).
   struct PoolGeometry {
     int64_t stride, line;  // elements
+    std::size_t elem;      // bytes per element (pools.conv_dtype / pools.recurrent_dtype)
   };
   const int64_t lines = m.config.pools.cache_lines;
-  auto conv_geo = [&](int l) { return PoolGeometry{m.pools[l].conv_line_stride, m.config.conv_line_elems()}; };
-  auto rec_geo = [&](int l) { return PoolGeometry{m.pools[l].recurrent_line_stride, m.config.recurrent_line_elems()}; };
+  auto conv_geo = [&](int l) {
+    return PoolGeometry{m.pools[l].conv_line_stride, m.config.conv_line_elems(), dtype_size(m.config.pools.conv_dtype)};
+  };
+  auto rec_geo = [&](int l) {
+    return PoolGeometry{m.pools[l].recurrent_line_stride, m.config.recurrent_line_elems(),
+                        dtype_size(m.config.pools.recurrent_dtype)};
+  };
   auto copy_lines = [&](void* dst, const void* src, PoolGeometry g) {
-    const std::size_t pitch = static_cast<std::size_t>(g.stride) * 4;
-    KDA_CUDA_CHECK(fn, cudaMemcpy2DAsync(dst, pitch, src, pitch, static_cast<std::size_t>(g.line) * 4,
+    const std::size_t pitch = static_cast<std::size_t>(g.stride) * g.elem;
+    KDA_CUDA_CHECK(fn, cudaMemcpy2DAsync(dst, pitch, src, pitch, static_cast<std::size_t>(g.line) * g.elem,
                                          static_cast<std::size_t>(lines), cudaMemcpyDeviceToDevice, stream));
   };
   auto download_lines = [&](const void* src, PoolGeometry g) {  // packed on the host
-    const std::size_t width = static_cast<std::size_t>(g.line) * 4;
+    const std::size_t width = static_cast<std::size_t>(g.line) * g.elem;
     std::vector<unsigned char> h(width * static_cast<std::size_t>(lines));
-    KDA_CUDA_CHECK(fn, cudaMemcpy2DAsync(h.data(), width, src, static_cast<std::size_t>(g.stride) * 4, width,
+    KDA_CUDA_CHECK(fn, cudaMemcpy2DAsync(h.data(), width, src, static_cast<std::size_t>(g.stride) * g.elem, width,
                                          static_cast<std::size_t>(lines), cudaMemcpyDeviceToHost, stream));
     KDA_CUDA_CHECK(fn, cudaStreamSynchronize(stream));
     return h;
@@ -159,11 +165,11 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
       const detail::StepInputs in = m.inputs(l, w, m.windows[w].bucket);
       if (m.config.runtime.max_checkpoints > 0) {
         ConvCheckpointArgs c = detail::conv_checkpoint_args_for_step(in.ctx);
-        c.conv_states = stock_conv[l].as<float>();
+        c.conv_states = stock_conv[l].get();
         conv_checkpoint(c, stream);
       }
       PackedConvArgs a = detail::conv_args_for_step(in.ctx);
-      a.conv_states = stock_conv[l].as<float>();
+      a.conv_states = stock_conv[l].get();
       a.out = stock_planes.as<char>() + w * m.program.B * m.program.P * 2;
       a.out_plane_stride = stock_plane_elems;
       baseline::stock_causal_conv1d(a, stock_ws.get(), stock_ws.bytes(), stream);

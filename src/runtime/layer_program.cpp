@@ -70,6 +70,7 @@ PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   a.weight_stride_tap = 1;
   a.bias = nullptr;
   a.conv_states = ctx.conv_states;
+  a.state_dtype = ctx.conv_state_dtype;
   a.num_cache_lines = ctx.config->pools.cache_lines;
   a.state_len = 3;
   a.state_stride_line = ctx.conv_strides.line;
@@ -96,6 +97,7 @@ ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx) {
   a.num_tokens = ctx.bucket_tokens;
   a.dim = 3 * m.part_dim();
   a.conv_states = ctx.conv_states;
+  a.state_dtype = ctx.conv_state_dtype;
   a.num_cache_lines = ctx.config->pools.cache_lines;
   a.state_stride_line = ctx.conv_strides.line;
   a.state_stride_dim = ctx.conv_strides.dim;
@@ -135,6 +137,7 @@ PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   a.dt_bias = ctx.weights->dt_bias;
   a.gate_lower_bound = m.gate_lower_bound;
   a.states = ctx.recurrent_states;
+  a.state_dtype = ctx.recurrent_state_dtype;
   a.cache_lines = ctx.config->pools.cache_lines;
   a.state_stride_line = ctx.recurrent_strides.line;
   a.state_stride_head = ctx.recurrent_strides.head;
@@ -252,8 +255,8 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
 }
 
 StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const char* slot, const StagingLayout& staging,
-                                const LayerWeights* weights, float* conv_pool, const ConvStateStrides& conv_strides,
-                                float* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const {
+                                const LayerWeights* weights, void* conv_pool, const ConvStateStrides& conv_strides,
+                                void* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const {
   StepInputs in;
   StepContext& ctx = in.ctx;
   ctx.layer = layer;
@@ -277,6 +280,8 @@ StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const cha
   ctx.conv_strides = conv_strides;
   ctx.recurrent_states = recurrent_pool;
   ctx.recurrent_strides = recurrent_strides;
+  ctx.conv_state_dtype = config_.pools.conv_dtype;
+  ctx.recurrent_state_dtype = config_.pools.recurrent_dtype;
   ctx.weights = weights;
   ctx.config = &config_;
   in.g1 = g1_.get();

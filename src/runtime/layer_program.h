@@ -94,8 +94,8 @@ class LayerProgram {
   // The inputs of window `window`'s steps for `layer` at `bucket` rows, with the window's staging
   // slot (StagingLayout), the layer's weights and pools.
   StepInputs inputs(int layer, int window, int64_t bucket, const char* staging_slot, const StagingLayout& staging,
-                    const LayerWeights* weights, float* conv_pool, const ConvStateStrides& conv_strides,
-                    float* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const;
+                    const LayerWeights* weights, void* conv_pool, const ConvStateStrides& conv_strides,
+                    void* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const;
 
   // The built-in steps in recorded order: in_proj GEMM, the conv checkpoints (only with
   // runtime.max_checkpoints > 0: they read the sequences' conv lines before the packed conv

@@ -22,15 +22,16 @@ PrefillModule::Impl::Impl(const Config& cfg)
   pools.assign(num_layers, StatePools{});
   has_pools.assign(num_layers, 0);
   if (!config.pools.external) {
-    const auto conv_bytes = static_cast<std::size_t>(config.conv_pool_elems()) * sizeof(float);
-    const auto rec_bytes = static_cast<std::size_t>(config.recurrent_pool_elems()) * sizeof(float);
+    const auto conv_bytes = static_cast<std::size_t>(config.conv_pool_elems()) * dtype_size(config.pools.conv_dtype);
+    const auto rec_bytes =
+        static_cast<std::size_t>(config.recurrent_pool_elems()) * dtype_size(config.pools.recurrent_dtype);
     for (int l = 0; l < num_layers; ++l) {
       owned_conv_pools.emplace_back(conv_bytes, "conv-state pool");
       owned_rec_pools.emplace_back(rec_bytes, "recurrent-state pool");
       KDA_CUDA_CHECK(fn, cudaMemset(owned_conv_pools[l].get(), 0, conv_bytes));
       KDA_CUDA_CHECK(fn, cudaMemset(owned_rec_pools[l].get(), 0, rec_bytes));
-      pools[l] = StatePools{owned_conv_pools[l].as<float>(), config.conv_line_elems(),
-                            owned_rec_pools[l].as<float>(), config.recurrent_line_elems(), config.pools.cache_lines};
+      pools[l] = StatePools{owned_conv_pools[l].get(), config.conv_line_elems(), owned_rec_pools[l].get(),
+                            config.recurrent_line_elems(), config.pools.cache_lines};
       has_pools[l] = 1;
     }
   }
@@ -83,13 +84,14 @@ RecurrentStateStrides PrefillModule::Impl::recurrent_strides(int layer) const {
 
 std::size_t PrefillModule::Impl::conv_span_bytes(int layer) const {
   const int64_t lines = config.pools.cache_lines;
-  return static_cast<std::size_t>((lines - 1) * pools[layer].conv_line_stride + config.conv_line_elems()) * sizeof(float);
+  return static_cast<std::size_t>((lines - 1) * pools[layer].conv_line_stride + config.conv_line_elems()) *
+         dtype_size(config.pools.conv_dtype);
 }
 
 std::size_t PrefillModule::Impl::rec_span_bytes(int layer) const {
   const int64_t lines = config.pools.cache_lines;
   return static_cast<std::size_t>((lines - 1) * pools[layer].recurrent_line_stride + config.recurrent_line_elems()) *
-         sizeof(float);
+         dtype_size(config.pools.recurrent_dtype);
 }
 
 void PrefillModule::Impl::check_tp_ready(const char* fn) const {
@@ -128,12 +130,12 @@ const void* PrefillModule::output() const { return impl_->program.output.get(); 
 const void* PrefillModule::conv_planes() const { return impl_->program.planes.get(); }
 const void* PrefillModule::in_proj_output() const { return impl_->program.in_proj_out.get(); }
 
-float* PrefillModule::conv_state_pool(int layer) {
+void* PrefillModule::conv_state_pool(int layer) {
   impl_->check_layer(layer, "kda::PrefillModule::conv_state_pool");
   return impl_->pools[layer].conv;
 }
 
-float* PrefillModule::recurrent_state_pool(int layer) {
+void* PrefillModule::recurrent_state_pool(int layer) {
   impl_->check_layer(layer, "kda::PrefillModule::recurrent_state_pool");
   return impl_->pools[layer].recurrent;
 }

@@ -62,9 +62,16 @@ void PrefillModule::Impl::set_pools(int layer, const StatePools& p, const char* 
   check_layer(layer, fn);
   KDA_CHECK(config.pools.external, fn, "pools.external is false: the module owns its pools, which cannot be replaced");
   KDA_CHECK(p.conv != nullptr && p.recurrent != nullptr, fn, "layer ", layer, ": pools.conv and pools.recurrent must be set");
-  for (const auto& [ptr, name] : {std::pair<const float*, const char*>{p.conv, "conv"}, {p.recurrent, "recurrent"}})
-    KDA_CHECK(reinterpret_cast<uintptr_t>(ptr) % alignof(float) == 0, fn, "layer ", layer, ": pools.", name,
-              " must be aligned to its 4-byte fp32 elements, got ", static_cast<const void*>(ptr));
+  struct Named {
+    const void* ptr;
+    DType dtype;
+    const char* name;
+  };
+  for (const Named& n : {Named{p.conv, config.pools.conv_dtype, "conv"},
+                         Named{p.recurrent, config.pools.recurrent_dtype, "recurrent"}})
+    KDA_CHECK(reinterpret_cast<uintptr_t>(n.ptr) % dtype_size(n.dtype) == 0, fn, "layer ", layer, ": pools.", n.name,
+              " must be aligned to its ", dtype_size(n.dtype), "-byte ", dtype_name(n.dtype), " elements, got ",
+              n.ptr);
   KDA_CHECK(p.lines >= config.pools.cache_lines, fn, "layer ", layer, ": pools.lines ", p.lines,
             " is below pools.cache_lines ", config.pools.cache_lines);
   StatePools resolved = p;

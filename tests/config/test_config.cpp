@@ -784,3 +784,37 @@ TEST_CASE("pools.external and the pool layouts are read, with their choices name
   CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("pools", "external: maybe"), "x.yaml"),
                        doctest::Contains("x.yaml:7: pools.external: expected"), kda::Error);
 }
+
+TEST_CASE("pools.recurrent_dtype and pools.conv_dtype are read, checked and default to fp32") {
+  const kda::Config defaults = kda::parse_config(kMinimal);
+  CHECK(defaults.pools.recurrent_dtype == kda::DType::FP32);
+  CHECK(defaults.pools.conv_dtype == kda::DType::FP32);
+
+  kda::Config c = kda::parse_config(minimal_with("pools", "recurrent_dtype: bf16"));
+  CHECK(c.pools.recurrent_dtype == kda::DType::BF16);
+  CHECK(c.pools.conv_dtype == kda::DType::FP32);
+  c = kda::parse_config(minimal_with("pools", "conv_dtype: bf16"));
+  CHECK(c.pools.conv_dtype == kda::DType::BF16);
+  CHECK(c.pools.recurrent_dtype == kda::DType::FP32);
+  c = kda::parse_config(minimal_with("pools", "conv_dtype: fp32"));
+  CHECK(c.pools.conv_dtype == kda::DType::FP32);
+  // The line's element count does not depend on the element type.
+  CHECK(c.conv_line_elems() == defaults.conv_line_elems());
+
+  CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("pools", "recurrent_dtype: fp16"), "x.yaml"),
+                       doctest::Contains("x.yaml:7: pools.recurrent_dtype: expected fp32 or bf16"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("pools", "conv_dtype: 16"), "x.yaml"),
+                       doctest::Contains("x.yaml:7: pools.conv_dtype: expected fp32 or bf16"), kda::Error);
+
+  // A Config built in code may hold any DType: validate_config names the key.
+  kda::Config code = defaults;
+  code.pools.recurrent_dtype = kda::DType::FP16;
+  CHECK_THROWS_WITH_AS(kda::validate_config(code),
+                       doctest::Contains("pools.recurrent_dtype: fp16 is not a pool element type; expected fp32 or bf16"),
+                       kda::Error);
+  code = defaults;
+  code.pools.conv_dtype = kda::DType::FP16;
+  CHECK_THROWS_WITH_AS(kda::validate_config(code),
+                       doctest::Contains("pools.conv_dtype: fp16 is not a pool element type; expected fp32 or bf16"),
+                       kda::Error);
+}

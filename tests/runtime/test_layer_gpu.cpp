@@ -56,13 +56,20 @@ Batch make_batch(const std::vector<int32_t>& lengths, bool initial) {
   return b;
 }
 
-// Layer 0's pools in the canonical layouts, whatever the module's layouts and line strides:
-// conv (lines, 3P, 3), recurrent (lines, H, K, V).
+// `count` pool elements of type `dtype` (fp32 or bf16) at `p`, widened to fp32 (exact).
+std::vector<float> download_pool(const void* p, int64_t count, kda::DType dtype) {
+  if (dtype == kda::DType::FP32) return download<float>(p, count);
+  return bf16_to_floats(download<uint16_t>(p, count));
+}
+
+// Layer 0's pools in the canonical layouts, whatever the module's layouts, line strides and
+// element types: conv (lines, 3P, 3), recurrent (lines, H, K, V), fp32.
 std::vector<float> canonical_conv_pool(const PrefillModule& m) {
   const kda::Config& c = m.config();
   const kda::ConvStateStrides st = m.conv_state_strides(0);
   const int64_t lines = c.pools.cache_lines, dim = 3 * c.model.part_dim();
-  const auto raw = download<float>(m.state_pools(0).conv, (lines - 1) * st.line + c.conv_line_elems());
+  const auto raw =
+      download_pool(m.state_pools(0).conv, (lines - 1) * st.line + c.conv_line_elems(), c.pools.conv_dtype);
   std::vector<float> out(static_cast<std::size_t>(lines * dim * 3));
   for (int64_t l = 0; l < lines; ++l)
     for (int64_t ch = 0; ch < dim; ++ch)
@@ -74,7 +81,8 @@ std::vector<float> canonical_recurrent_pool(const PrefillModule& m) {
   const kda::Config& c = m.config();
   const kda::RecurrentStateStrides st = m.recurrent_state_strides(0);
   const int64_t lines = c.pools.cache_lines, H = c.model.num_heads;
-  const auto raw = download<float>(m.state_pools(0).recurrent, (lines - 1) * st.line + c.recurrent_line_elems());
+  const auto raw = download_pool(m.state_pools(0).recurrent, (lines - 1) * st.line + c.recurrent_line_elems(),
+                                 c.pools.recurrent_dtype);
   std::vector<float> out(static_cast<std::size_t>(lines * H * 128 * 128));
   for (int64_t l = 0; l < lines; ++l)
     for (int64_t h = 0; h < H; ++h)
@@ -186,12 +194,16 @@ void check_layer(kda::Config cfg, const std::vector<int32_t>& lengths) {
                            (mc.gate_lower_bound ? ", lower-bound gate" : ", softplus gate") +
                            (cfg.pools.recurrent_layout == kda::RecurrentLayout::HVK ? ", (H, V, K) states" : "") +
                            (cfg.pools.conv_layout == kda::ConvStateLayout::TapDim ? ", (3, 3P) conv states" : "") +
-                           (cfg.pools.external ? ", external pools" : "");
+                           (cfg.pools.external ? ", external pools" : "") +
+                           (cfg.pools.recurrent_dtype == kda::DType::BF16 ? ", bf16 recurrent pool" : "") +
+                           (cfg.pools.conv_dtype == kda::DType::BF16 ? ", bf16 conv pool" : "");
   MESSAGE("hidden ", D, ", ", H, " heads, ", T, " tokens, ", what, ": output error ", out_err,
           ", final-state error ", state_err, ", conv-state error ", conv_err);
   CHECK(out_err <= 1e-2);
   CHECK(state_err <= 5e-3);
   CHECK(conv_err <= 1e-2);
+  // The conv lines hold the last three bf16 inputs: exact in either element type.
+  CHECK(conv_err == 0.0);
   if (external) CHECK(external->gap_bytes_written() == 0);
 }
 
@@ -259,6 +271,40 @@ TEST_CASE("other pool layouts and external pools meet the float64 layer referenc
       kda::Config c = tiny();
       c.runtime.recurrence = rec;
       c.pools.external = true;
+      c.pools.recurrent_layout = kda::RecurrentLayout::HVK;
+      c.pools.conv_layout = kda::ConvStateLayout::TapDim;
+      check_layer(c, lengths);
+    }
+  }
+}
+
+TEST_CASE("bf16 state pools meet the float64 layer reference in both layouts") {
+  // The reference starts from the bf16 lines widened and keeps its states in double; the GPU's
+  // final recurrent lines are rounded to bf16 once, which adds at most 2^-9 relative per
+  // element, inside the 5e-3 bound. The conv lines hold bf16 inputs and must be exact.
+  const std::vector<int32_t> lengths = {1, 15, 16, 17, 63, 64, 65, 300};
+  for (kda::Recurrence rec : {kda::Recurrence::Chunked, kda::Recurrence::TokenByToken}) {
+    SUBCASE("module-owned bf16 pools, default layouts") {
+      kda::Config c = tiny();
+      c.runtime.recurrence = rec;
+      c.pools.recurrent_dtype = kda::DType::BF16;
+      c.pools.conv_dtype = kda::DType::BF16;
+      check_layer(c, lengths);
+    }
+    SUBCASE("module-owned bf16 pools, (H, V, K) and (3, 3P)") {
+      kda::Config c = tiny();
+      c.runtime.recurrence = rec;
+      c.pools.recurrent_dtype = kda::DType::BF16;
+      c.pools.conv_dtype = kda::DType::BF16;
+      c.pools.recurrent_layout = kda::RecurrentLayout::HVK;
+      c.pools.conv_layout = kda::ConvStateLayout::TapDim;
+      check_layer(c, lengths);
+    }
+    SUBCASE("external bf16 pools with gaps, the other layouts, one pool bf16") {
+      kda::Config c = tiny();
+      c.runtime.recurrence = rec;
+      c.pools.external = true;
+      c.pools.recurrent_dtype = kda::DType::BF16;
       c.pools.recurrent_layout = kda::RecurrentLayout::HVK;
       c.pools.conv_layout = kda::ConvStateLayout::TapDim;
       check_layer(c, lengths);

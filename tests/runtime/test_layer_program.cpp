@@ -42,6 +42,7 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   ctx.k = fake<void>(6);
   ctx.v = fake<void>(7);
   ctx.recurrent_states = fake<float>(8);
+  ctx.recurrent_state_dtype = kda::DType::BF16;
   ctx.conv_strides = kda::detail::conv_state_strides(config, 0);
   ctx.recurrent_strides = kda::detail::recurrent_state_strides(config, 0);
   ctx.weights = &weights;
@@ -67,6 +68,8 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   CHECK(r.cache_lines == 9);
   CHECK(r.state_stride_line == 4 * 128 * 128);
   CHECK(r.state_stride_v == 1);
+  CHECK(r.states == ctx.recurrent_states);
+  CHECK(r.state_dtype == kda::DType::BF16);  // the context's pool element type, passed on
   std::string why;
   CHECK(kda::kda_prep_recurrence_supported(r, &why));
   CHECK(why.empty());
@@ -88,6 +91,7 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   CHECK(c.num_seqs == 16);
   CHECK(c.num_cache_lines == 9);
   CHECK(c.state_stride_line == 3 * p * 3);
+  CHECK(c.state_dtype == kda::DType::FP32);
   CHECK(c.out == ctx.q);
   CHECK(c.out_plane_stride == 512 * p);
   CHECK(c.null_block_id == 0);
@@ -161,6 +165,7 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
   // The pools far from the in_proj output: the overlap checks compare extents.
   ctx.conv_states = reinterpret_cast<float*>(uintptr_t{1} << 40);
   ctx.recurrent_states = reinterpret_cast<float*>(uintptr_t{1} << 41);
+  ctx.conv_state_dtype = kda::DType::BF16;
   ctx.conv_strides = kda::detail::conv_state_strides(config, 0);
   ctx.recurrent_strides = kda::detail::recurrent_state_strides(config, 0);
   ctx.weights = &weights;
@@ -187,6 +192,7 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
     CHECK(c.dim == 3 * 256);
     CHECK(c.num_tokens == 256);
     CHECK(c.conv_states == ctx.conv_states);
+    CHECK(c.state_dtype == kda::DType::BF16);
     CHECK(c.state_stride_line == ctx.conv_strides.line);
     CHECK(c.state_stride_dim == ctx.conv_strides.dim);
     CHECK(c.state_stride_tap == ctx.conv_strides.tap);

@@ -1073,8 +1073,8 @@ TEST_CASE("external pools give the bits of module-owned pools, keep their graphs
   bad.recurrent_line_stride = cfg.recurrent_line_elems() - 3;
   CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("recurrent_line_stride"), kda::Error);
   bad = pools[0]->view;
-  bad.recurrent = reinterpret_cast<float*>(reinterpret_cast<char*>(bad.recurrent) + 2);
-  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("4-byte fp32 elements"), kda::Error);
+  bad.recurrent = reinterpret_cast<char*>(bad.recurrent) + 2;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("aligned to its 4-byte fp32 elements"), kda::Error);
   CHECK_THROWS_WITH_AS(m.set_layer_pools(layers, pools[0]->view), doctest::Contains("out of range"), kda::Error);
   CHECK(m.state_pools(0).conv == nullptr);
   CHECK_THROWS_AS(m.run(small.view(), s), kda::Error);
