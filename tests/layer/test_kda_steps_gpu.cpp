@@ -21,12 +21,15 @@
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_recurrence.h"
 #include "testing/layer_reference.h"
+#include "support/bf16_pool.h"
 #include "support/gpu_buffers.h"
 #include "support/test_data.h"
 
 namespace {
 
 using kda::test::DeviceBuffer;
+using kda::test::narrow_widened;
+using kda::test::widen_bf16;
 using kda::test::kPoison16;
 using kda::test::quick_mode;
 using kda::test::random_bf16;
@@ -139,29 +142,6 @@ PoolLayout transposed_layout(int64_t heads) {
   return {"(line, head, v, k) with gaps", heads * head + 100, head, 1, kD};
 }
 
-// A bf16 pool as these tests hold it on the host: each element widened to fp32
-// (kda::state_bf16_to_float), which keeps every bit of the bf16 pattern (NaN payloads too), so
-// pools of either type compare bitwise as floats and feed the fp32 reference as they are.
-std::vector<float> widen_bf16(const std::vector<uint16_t>& bits) {
-  std::vector<float> out(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) out[i] = kda::state_bf16_to_float(bits[i]);
-  return out;
-}
-// The bf16 patterns of widened values: their upper halves (an element with a nonzero lower
-// half is no widened bf16 value, a bug of the test).
-std::vector<uint16_t> narrow_widened(const std::vector<float>& widened) {
-  std::vector<uint16_t> out(widened.size());
-  int64_t not_bf16 = 0;
-  for (size_t i = 0; i < widened.size(); ++i) {
-    uint32_t u;
-    std::memcpy(&u, &widened[i], 4);
-    not_bf16 += (u & 0xFFFFu) != 0;
-    out[i] = static_cast<uint16_t>(u >> 16);
-  }
-  REQUIRE(not_bf16 == 0);
-  return out;
-}
-
 // Everything one kda_prep_recurrence launch reads and writes, host and device. The pool is
 // fp32 unless use_bf16_pool(); pool0 and download_pool() hold a bf16 pool widened (widen_bf16),
 // so the checks below serve both types.
@@ -261,24 +241,11 @@ struct RecurrenceProblem {
     kda::test::device_synchronize();
   }
 
-  // Rounds the starting pool to bf16 values, keeping the starting states of processed
-  // sequences with an initial state (rounded to nearest even) and poisoning every other
-  // element (the 0xFFFF NaN of a 0xFF fill: an element read without cause shows in o, one
-  // written without cause in the checks), and switches the device pool to bf16. pool0 then
-  // holds the widened values, what the fp32 reference starts from.
+  // Switches the device pool to bf16, starting from bf16_starting_pool (support/bf16_pool.h):
+  // the initial states rounded, every other element poisoned. pool0 then holds the widened
+  // values, what the fp32 reference starts from.
   void use_bf16_pool() {
-    std::vector<char> initial(pool0.size(), 0);
-    for (int64_t s : batch.processed) {
-      if (!batch.initial[s]) continue;
-      const int64_t line = batch.lines[static_cast<size_t>(s)];
-      for (int64_t hh = 0; hh < heads; ++hh)
-        for (int64_t i = 0; i < kD; ++i)
-          for (int64_t j = 0; j < kD; ++j)
-            initial[static_cast<size_t>(line * layout.line + hh * layout.head + i * layout.k + j * layout.v)] = 1;
-    }
-    std::vector<uint16_t> bits(pool0.size());
-    for (size_t i = 0; i < pool0.size(); ++i) bits[i] = initial[i] ? kda::state_float_to_bf16(pool0[i]) : kPoison16;
-    pool0 = widen_bf16(bits);
+    pool0 = kda::test::bf16_starting_pool(pool0, batch, layout, heads, kD);
     set_pool_dtype(kda::DType::BF16);
   }
   // The device pool's element type; pool0 is kept (for BF16 it must hold widened values).
