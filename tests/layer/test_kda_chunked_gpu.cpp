@@ -659,7 +659,8 @@ TEST_CASE("bf16 state checkpoints are bitwise the final lines of runs cut there"
         worst_bits = std::max(worst_bits, bits);
         worst_ref = std::max(worst_ref, ref_err);
       }
-      MESSAGE((chunked ? "kda_chunked" : "kda_prep_recurrence"), ", ", layout.name, ", ", ck_lines.size(),
+      MESSAGE(std::string(chunked ? "kda_chunked" : "kda_prep_recurrence"), ", ", std::string(layout.name), ", ",
+              ck_lines.size(),
               " bf16 checkpoints: at most ", worst_bits, " bits differ from the cut runs' final lines; worst relative "
               "error vs float64 ", worst_ref);
     }

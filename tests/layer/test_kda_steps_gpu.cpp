@@ -495,7 +495,7 @@ TEST_CASE("kda_prep_recurrence on bf16 state pools: the fp32 state, widened from
     const auto o = download<uint16_t>(pr.d_o);
     const auto pool = pr.download_pool();
     const WorstErrors worst = check_recurrence(pr, pr.reference(), o, pool);
-    MESSAGE("bf16 pool, ", layout.name, ": worst relative error o ", worst.o, ", final state ", worst.state);
+    MESSAGE("bf16 pool, ", std::string(layout.name), ": worst relative error o ", worst.o, ", final state ", worst.state);
     pr.run();  // from the same starting pool: bitwise the same
     CHECK(kda::test::diff_bits(o.data(), download<uint16_t>(pr.d_o).data(), o.size() * 2) == 0);
     CHECK(kda::test::diff_bits(pool.data(), pr.download_pool().data(), pool.size() * 4) == 0);
