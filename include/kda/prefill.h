@@ -221,9 +221,9 @@ class PrefillModule {
   // pools.external: true. Hands the module this layer's pools (not copied, not freed: they must
   // outlive the module's use of them). Needed before the layer's first forward. Throws, and
   // keeps the old pools, when the config owns its pools, a pointer is null or not aligned to
-  // its element type, a line stride is below the line's elements, lines < pools.cache_lines, or a step
-  // cannot run them. Graphs record the pool pointers: other pointers than before make the
-  // layer's graphs stale (re-recorded on next use), the same pointers keep them.
+  // its element type, a line stride is below the line's elements, lines < pools.cache_lines,
+  // or a step cannot run them. Graphs record the pool pointers: other pointers than before
+  // make the layer's graphs stale (re-recorded on next use), the same pointers keep them.
   void set_layer_pools(int layer, const StatePools& pools);
 
   // Weights: device pointers owned by the caller, or module-owned seeded random weights
