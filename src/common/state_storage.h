@@ -13,8 +13,13 @@
 #include <cstring>
 
 #include "common/host_device.h"
+#include "kda/types.h"
 
 namespace kda {
+
+// The element types a pool line may have: the one definition the config, the conv, the conv
+// checkpoints and the recurrences check against.
+inline bool is_state_pool_dtype(DType d) { return d == DType::FP32 || d == DType::BF16; }
 
 KDA_HOST_DEVICE inline float state_bf16_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "common/state_storage.h"
 #include "config/config_source.h"
 #include "kda/config.h"
 
@@ -137,11 +138,10 @@ class Validator {
       fail("pools.null_line", str_cat(p.null_line, " is outside [0, ", p.cache_lines,
                                       "); it must name a line of the pool (pools.cache_lines is ",
                                       p.cache_lines, ")"));
-    // A Config built in code may carry any DType; the kernels store pool lines in these two.
-    const auto storable = [](DType d) { return d == DType::FP32 || d == DType::BF16; };
-    if (!storable(p.recurrent_dtype))
+    // A Config built in code may carry any DType.
+    if (!is_state_pool_dtype(p.recurrent_dtype))
       fail("pools.recurrent_dtype", str_cat(dtype_name(p.recurrent_dtype), " is not a pool element type; expected fp32 or bf16"));
-    if (!storable(p.conv_dtype))
+    if (!is_state_pool_dtype(p.conv_dtype))
       fail("pools.conv_dtype", str_cat(dtype_name(p.conv_dtype), " is not a pool element type; expected fp32 or bf16"));
   }
 

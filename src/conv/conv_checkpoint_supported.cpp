@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "common/check.h"
+#include "common/state_storage.h"
 #include "conv/conv_checkpoint.h"
 
 namespace kda {
@@ -86,7 +87,7 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
       state_dtype_value > static_cast<int>(DType::FP32))
     return fail(why, str_cat("state_dtype has the invalid value ", state_dtype_value,
                              "; supported are fp32 and bf16"));
-  if (a.state_dtype != DType::FP32 && a.state_dtype != DType::BF16)
+  if (!is_state_pool_dtype(a.state_dtype))
     return fail(why, str_cat("state_dtype ", dtype_name(a.state_dtype),
                              " is not supported; conv states are fp32 or bf16"));
   const int64_t state_elem = static_cast<int64_t>(dtype_size(a.state_dtype));

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "common/check.h"
+#include "common/state_storage.h"
 #include "conv/conv_params.h"
 #include "kda/packed_conv.h"
 
@@ -67,7 +68,7 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
       state_dtype_value > static_cast<int>(DType::FP32))
     return fail(why, str_cat("state_dtype has the invalid value ", state_dtype_value,
                              "; supported are fp32, and bf16 with x_dtype bf16"));
-  if (a.state_dtype != DType::FP32 && a.state_dtype != DType::BF16)
+  if (!is_state_pool_dtype(a.state_dtype))
     return fail(why, str_cat("state_dtype ", dtype_name(a.state_dtype),
                              " is not supported; conv states are fp32, or bf16 with x_dtype bf16"));
   if (a.state_dtype == DType::BF16 && a.x_dtype != DType::BF16)

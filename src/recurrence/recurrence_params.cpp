@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "common/check.h"
+#include "common/state_storage.h"
 #include "common/varlen_map.h"
 #include "recurrence/kda_recurrence.h"
 
@@ -83,7 +84,7 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
     return fail(why, "v, b and o must be aligned to their 2-byte bf16 elements");
   if (!aligned_to(a.a_log, 4) || !aligned_to(a.dt_bias, 4))
     return fail(why, "a_log and dt_bias must be aligned to their 4-byte fp32 elements");
-  if (a.state_dtype != DType::FP32 && a.state_dtype != DType::BF16)
+  if (!is_state_pool_dtype(a.state_dtype))
     return fail(why, str_cat("state_dtype ", dtype_name(a.state_dtype), " (value ",
                              static_cast<int>(a.state_dtype),
                              ") is not supported; recurrent-state pools hold fp32 or bf16"));
