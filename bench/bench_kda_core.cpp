@@ -125,6 +125,9 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   a.state_stride_v = 1;
   a.o = o.get();
   a.o_row_stride = part;
+  kda::PrepRecurrenceArgs whole = a;  // the same op with every sequence walked whole
+  whole.segment_tokens = 0;
+  const bool cut = kda::kda_chunked_workspace_bytes(a) > kda::kda_chunked_workspace_bytes(whole);
   DeviceMem work(kda::kda_chunked_workspace_bytes(a));
 
   int64_t chunks = 0;
@@ -151,9 +154,17 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
                   median_us(chunked(kda::KdaChunkedPhases::PrepOnly), stream, warmup, reps), prep_flop,
                   4 * plane_bytes + b_bytes + record_bytes});
   // On the records of the phase-1 launches above.
-  rows.push_back({cs.name, "  phase 2 (state, o)",
+  rows.push_back({cs.name, cut ? "  phase 2 (state, o), cut into segments" : "  phase 2 (state, o)",
                   median_us(chunked(kda::KdaChunkedPhases::StateOnly), stream, warmup, reps), state_flop,
                   record_bytes + state_bytes + plane_bytes});
+  if (cut) {
+    // Side by side: phase 2 with every sequence whole, on the same records.
+    rows.push_back({cs.name, "  phase 2, sequences whole",
+                    median_us([&] { kda::kda_chunked(whole, work.get(), work.bytes(), stream,
+                                                     kda::KdaChunkedPhases::StateOnly); },
+                              stream, warmup, reps),
+                    state_flop, record_bytes + state_bytes + plane_bytes});
+  }
   BENCH_CUDA(cudaStreamSynchronize(stream));
   return rows;
 }
@@ -184,6 +195,7 @@ int main(int argc, char** argv) {
   if (!quick) {
     cases.push_back({"H 12, 4 x 512", 12, std::vector<int32_t>(4, 512)});
     cases.push_back({"H 32, 1 x 16384", 32, {16384}});
+    cases.push_back({"H 4, 1 x 65536", 4, {65536}});
   }
   try {
     cudaStream_t stream = nullptr;

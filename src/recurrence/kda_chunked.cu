@@ -3,9 +3,11 @@
 // operations to the hardware (DeviceOps), defines the two kernels and the host launcher.
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 111 KB of shared memory (two blocks
-// per SM); phase 2 grid (max_seqs, H, 4) x 128 threads, 151 KB of shared memory (the two
-// record stages and the exchange of S0 and U fragments). Both grids depend on capacities only
-// (CUDA graph safe).
+// per SM); phase 2 grid (segment slots, H, 4) x 128 threads, 151 KB of shared memory (the two
+// record stages and the exchange of S0 and U fragments), with segment slots = max_seqs when
+// sequences stay whole; when they are cut, pass 1 has z = 8 (the summaries' two roles), then
+// the scan (max_seqs, H, 4) x 256 threads, 80 KB, and pass 3. All grids depend on capacities
+// only (CUDA graph safe).
 // Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 / fp16, ldmatrix (.trans),
 // cp.async, named barriers), identical in the sm_90a SASS and the compute_90
 // PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
@@ -32,11 +34,13 @@ namespace {
 using chunked::PrepSmem;
 using chunked::PrepTraits;
 using chunked::Record;
+using chunked::ScanTraits;
 using chunked::StateTraits;
 using recurrence::RecurrenceParams;
 
 constexpr const char* kFunction = "kda::kda_chunked";
 static_assert(chunked::kChunk == kKdaChunk, "kda_chunked.h and the body disagree on the chunk");
+static_assert(Record::kBytes == recurrence::kRecordBytes, "recurrence_params.h's record size");
 
 // The thread-level operations of the block bodies on the GPU.
 struct DeviceOps {
@@ -53,12 +57,11 @@ struct DeviceOps {
   // The radix search of common/varlen_map.h, warp-cooperative: every lane of the warp calls it
   // with the same slot, lane j tests candidate j of each level and a ballot counts them.
   __device__ __forceinline__ int64_t locate_sequence(const RecurrenceParams& p, int64_t slot,
-                                                     int lane) const {
+                                                     int lane, int shift) const {
     return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
       const int64_t cand = base + lane * st;
       const bool le = cand < p.max_seqs &&
-                      varlen::first_slot(__ldg(p.query_start_loc + cand), cand,
-                                         chunked::kChunkShift) <= slot;
+                      varlen::first_slot(__ldg(p.query_start_loc + cand), cand, shift) <= slot;
       return __popc(__ballot_sync(0xFFFFFFFFu, le));
     });
   }
@@ -144,11 +147,21 @@ __global__ void __launch_bounds__(PrepTraits::kThreads, 2)
   chunked::prep_block<kLowerBound>(ops, p, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
+// Phase 2's walks: pass 1 (every sequence's first segment, and the other segments' summaries
+// and transitions) or pass 3 (the segments after the first, from their true initial states).
 __global__ void __launch_bounds__(StateTraits::kThreads, 1)
-    kda_chunk_state_kernel(const RecurrenceParams p) {
+    kda_chunk_state_kernel(const RecurrenceParams p, int pass) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   DivergentBarrierOps ops{{smem_raw}};
-  chunked::state_block(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+  chunked::state_block(ops, p, pass, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+}
+
+// Phase 2's pass 2: the scan over each sequence's segments.
+__global__ void __launch_bounds__(ScanTraits::kThreads)
+    kda_chunk_scan_kernel(const RecurrenceParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DeviceOps ops{smem_raw};
+  chunked::scan_block(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -184,16 +197,46 @@ void set_smem_attributes() {
   KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_state_kernel,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  StateTraits::kSmemBytes));
+  KDA_CUDA_CHECK(kFunction, cudaFuncSetAttribute(kda_chunk_scan_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 ScanTraits::kSmemBytes));
   if (done.size() <= static_cast<std::size_t>(device)) done.resize(device + 1, false);
   done[device] = true;
 }
 
+// The current device's SM count, read once per device (the segment plan depends on it); 0
+// without a device (host-only sizing: then the op does not cut).
+int sm_count() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  static std::mutex mu;
+  static std::vector<int> counts;
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<std::size_t>(device) >= counts.size()) counts.resize(device + 1, 0);
+  if (counts[device] == 0)
+    KDA_CUDA_CHECK(kFunction, cudaDeviceGetAttribute(&counts[device],
+                                                     cudaDevAttrMultiProcessorCount, device));
+  return counts[device];
+}
+
+// The segment length for `a`: asks the device only when the op chooses it.
+int segment_shift(const PrepRecurrenceArgs& a) {
+  return recurrence::segment_shift_of(a, a.segment_tokens < 0 ? sm_count() : 0);
+}
+
 }  // namespace
+
+int64_t kda_chunked_auto_segment_tokens(int64_t num_tokens, int64_t num_heads) {
+  const int shift = recurrence::auto_segment_shift(num_tokens, num_heads, sm_count());
+  return shift >= recurrence::kNoSegments ? 0 : kKdaChunk << shift;
+}
 
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& a) {
   if (a.num_tokens <= 0 || a.max_seqs <= 0 || a.num_heads <= 0) return 0;
-  return static_cast<std::size_t>(chunk_slots(a)) * static_cast<std::size_t>(a.num_heads) *
-         static_cast<std::size_t>(Record::kBytes);
+  return recurrence::chunked_layout(a, segment_shift(a)).total();
 }
 
 bool kda_chunked_supported(const PrepRecurrenceArgs& a, std::string* why) {
@@ -205,6 +248,10 @@ bool kda_chunked_supported(const PrepRecurrenceArgs& a, std::string* why) {
   if (chunk_slots(a) > std::numeric_limits<int32_t>::max())
     return fail(why, str_cat("num_tokens / 64 + max_seqs = ", chunk_slots(a),
                              " chunk slots exceed 2^31 - 1 (gridDim.x)"));
+  const int64_t st = a.segment_tokens;
+  if (st != kKdaAutoSegments && st != 0 && (st < kKdaChunk || (st & (st - 1)) != 0))
+    return fail(why, str_cat("segment_tokens ", st, " is not ", kKdaAutoSegments,
+                             " (the op's choice), 0 (no cut) or a power of two >= 64"));
   return true;
 }
 
@@ -229,7 +276,7 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
       KDA_FAIL(kFunction, "phases ", static_cast<int>(phases),
                " is not one of Both, PrepOnly, StateOnly");
   }
-  const RecurrenceParams p = recurrence::make_recurrence_params(a, workspace);
+  const RecurrenceParams p = recurrence::make_recurrence_params(a, workspace, segment_shift(a));
   set_smem_attributes();
   if (prep) {
     const dim3 grid(static_cast<unsigned>(p.slots), static_cast<unsigned>(p.num_heads));
@@ -241,10 +288,21 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());
   }
   if (state) {
-    const dim3 grid(static_cast<unsigned>(p.max_seqs), static_cast<unsigned>(p.num_heads),
-                    StateTraits::kSlices);
-    kda_chunk_state_kernel<<<grid, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p);
+    // Pass 1; when sequences are cut, the scan (pass 2) and pass 3.
+    const bool cut = chunked::segmented(p);
+    const auto slots = static_cast<unsigned>(p.seg_slots);
+    const auto heads = static_cast<unsigned>(p.num_heads);
+    const dim3 pass1(slots, heads, (cut ? 2 : 1) * StateTraits::kSlices);
+    kda_chunk_state_kernel<<<pass1, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 1);
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());
+    if (cut) {
+      const dim3 scan(static_cast<unsigned>(p.max_seqs), heads, StateTraits::kSlices);
+      kda_chunk_scan_kernel<<<scan, ScanTraits::kThreads, ScanTraits::kSmemBytes, stream>>>(p);
+      KDA_CUDA_CHECK(kFunction, cudaGetLastError());
+      const dim3 pass3(slots, heads, StateTraits::kSlices);
+      kda_chunk_state_kernel<<<pass3, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 3);
+      KDA_CUDA_CHECK(kFunction, cudaGetLastError());
+    }
   }
 }
 

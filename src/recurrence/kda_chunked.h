@@ -3,7 +3,7 @@
 // 64 tokens at a time with the WY / UT form of the gated delta rule on tensor cores.
 // CUDA-free: host code includes this header, the kernels live in kda_chunked.cu.
 //
-// Two launches on the caller's stream:
+// Two phases on the caller's stream:
 //   1. prep, one block per (chunk slot, head), all in parallel: per-token prep, the cumulative
 //      log decay inside the chunk, A = strictly lower (beta_j k_i.k_j decayed), the solve of
 //      (I + A) [W | Uv] = [k * exp(Gam) | v] (blocked, tf32 tensor cores), and the products
@@ -17,6 +17,13 @@
 //      alike). With an fp32 pool a run continued from it (has_initial_state) is bitwise the
 //      uninterrupted one: the same 64-token chunks, the same records, the exact state. With a
 //      bf16 pool it is not: it starts from the state rounded to bf16.
+//      Sequence parallelism: with few heads (SMs idle) a long sequence is cut into segments
+//      of PrepRecurrenceArgs::segment_tokens (or the op's choice) walked in parallel; phase 2
+//      is then three launches: segment 0 and each other segment's summary (its end state
+//      from zero, its 128 x 128 transition), a scan over segments that gives each segment
+//      its true initial state, and the walks of segments 1.. (docs/design.md, "Segments").
+//      Checkpoints stay bitwise the lines of runs cut there with the same segment length; a
+//      run continued from one is then within tolerance of the uninterrupted run, not bitwise.
 // Results are close to, not equal to, kda_prep_recurrence's (different rounding order,
 // tensor-core operands); tests/layer states the error bounds against the float64 reference.
 //
@@ -35,10 +42,14 @@ namespace kda {
 
 // Chunk length of the chunked recurrence (tokens); chunks start at each sequence's first token.
 constexpr int64_t kKdaChunk = 64;
+// PrepRecurrenceArgs::segment_tokens: the op picks the segment length.
+constexpr int64_t kKdaAutoSegments = -1;
 
 // Bytes of workspace kda_chunked needs for these capacities:
-// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 90624 bytes. Reads no device
-// memory.
+// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 90624 bytes, plus, when it cuts
+// sequences into segments of L tokens, ((num_tokens / L) + max_seqs) x num_heads x 128 KB.
+// Reads no device memory (with segment_tokens = kKdaAutoSegments it asks for the device's SM
+// count).
 // 0 when num_tokens or max_seqs is 0 (nothing to do).
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& args);
 
@@ -46,6 +57,14 @@ std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& args);
 // otherwise false with the reason in *why. Reads no device memory. The workspace is checked by
 // kda_chunked itself.
 bool kda_chunked_supported(const PrepRecurrenceArgs& args, std::string* why = nullptr);
+
+// The segment length in tokens that kda_chunked picks for segment_tokens = kKdaAutoSegments
+// with these capacities on the current device (docs/design.md, "Segments"), or 0 when it keeps
+// every sequence whole. The bits of a sequence's results depend on its segment length: a caller
+// that runs batches in buckets of several sizes passes this value for its largest bucket to all
+// of them, so that a sequence is cut alike in every bucket (the module does). Asks the device
+// for its SM count once per device; 0 without a device.
+int64_t kda_chunked_auto_segment_tokens(int64_t num_tokens, int64_t num_heads);
 
 // Which launches kda_chunked enqueues: both (the op), or one phase alone, for benchmarks
 // (StateOnly reads the workspace a PrepOnly launch with the same arguments wrote).

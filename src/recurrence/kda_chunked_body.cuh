@@ -43,6 +43,9 @@
 // keeps the final state's error an order of magnitude below that of bf16 operands.
 // At a chunk end where the sequence has a state checkpoint (common/state_checkpoints.h) the
 // state warps also store the carried state to the checkpoint's line.
+// Segments (sequence parallelism, docs/design.md): a block may walk one segment of a
+// sequence's chunks in one of three roles (block_walk, WalkRole), and scan_block joins the
+// segments; with segments off, pass 1 alone is the walk described above.
 // Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_bf16, a run-time flag):
 // load_state widens, store_state rounds to nearest even (common/state_storage.h); the carried
 // state stays fp32 in registers. A checkpoint line is bitwise the final line of a run cut at its
@@ -654,7 +657,7 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const RecurrencePa
                                                     int64_t slot, int head, int tid) {
   using T = PrepTraits;
   const int lane = tid & 31, warp = tid >> 5;
-  const int64_t seq = ops.locate_sequence(p, slot, lane);
+  const int64_t seq = ops.locate_sequence(p, slot, lane, kChunkShift);
   if (seq < 0) return;
   const SeqSpan span = sequence_span(p, seq);
   if (!span.active) return;
@@ -1150,21 +1153,34 @@ KDA_UNROLL
   }
 }
 
+// What a walk reads of a chunk record (WalkRole): everything (Full); no Qt and M' (Summary: no
+// o); no Qt, M' and Uv either (Transition).
+enum class StageParts { All, State, Transition };
+
 // Copies this block's part of chunk record `rec` into the stage at shared address `stage`:
-// W, Qt, Kb', M', the block's 32 rows of UvT and gamma, by kThreads threads (thread index tid).
+// W, Qt, Kb', M', the block's 32 rows of UvT and gamma (less for the summary walks, `parts`),
+// by kThreads threads (thread index tid).
 KDA_OPS_BODY
 template <int kThreads, class Ops>
 __host__ __device__ __forceinline__ void load_stage(Ops& ops, uint32_t stage,
                                                     const unsigned char* rec, int vbase,
-                                                    int tid) {
+                                                    StageParts parts, int tid) {
   using S = StateTraits;
-  // W, Qt and Kb' are consecutive 64-row tiles in the record and in the stage: 192 rows.
-  copy_rows<kThreads, 3 * kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
-      ops, stage + S::kW, rec + Record::kW, tid);
-  copy_rows<kThreads, kChunk, kChunk * 2 / 16, kChunk * 2, S::kPitchMp>(
-      ops, stage + S::kMp, rec + Record::kMp, tid);
-  copy_rows<kThreads, S::kColumns, kChunk * 4 / 16, kChunk * 4, S::kPitchUv>(
-      ops, stage + S::kUvT, rec + Record::kUvT + vbase * kChunk * 4, tid);
+  if (parts == StageParts::All) {
+    // W, Qt and Kb' are consecutive 64-row tiles in the record and in the stage: 192 rows.
+    copy_rows<kThreads, 3 * kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
+        ops, stage + S::kW, rec + Record::kW, tid);
+    copy_rows<kThreads, kChunk, kChunk * 2 / 16, kChunk * 2, S::kPitchMp>(
+        ops, stage + S::kMp, rec + Record::kMp, tid);
+  } else {
+    copy_rows<kThreads, kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
+        ops, stage + S::kW, rec + Record::kW, tid);
+    copy_rows<kThreads, kChunk, kHeadDim * 2 / 16, kHeadDim * 2, S::kPitchTile>(
+        ops, stage + S::kKb, rec + Record::kKb, tid);
+  }
+  if (parts != StageParts::Transition)
+    copy_rows<kThreads, S::kColumns, kChunk * 4 / 16, kChunk * 4, S::kPitchUv>(
+        ops, stage + S::kUvT, rec + Record::kUvT + vbase * kChunk * 4, tid);
   copy_rows<kThreads, 1, kHeadDim * 4 / 16, kHeadDim * 4, kHeadDim * 4>(
       ops, stage + S::kGamma, rec + Record::kGamma, tid);
 }
@@ -1197,6 +1213,7 @@ struct StagePipe {
   uint32_t base;             // shared address of stage 0
   const unsigned char* ptr;  // generic pointer to stage 0
   int vbase;                 // the block's first value column (its UvT rows)
+  StageParts parts;
 };
 struct Stage {
   uint32_t addr;             // shared address (ldmatrix)
@@ -1206,12 +1223,13 @@ struct Stage {
 KDA_OPS_BODY
 template <int kThreads, class Ops>
 __host__ __device__ __forceinline__ StagePipe start_stages(Ops& ops, const RecurrenceParams& p,
-                                                           int64_t first, int head, int vbase,
+                                                           int64_t slot, int head, int vbase,
+                                                           StageParts parts,
                                                            int tid, bool copies) {
-  StagePipe s{record_of(p, first, head), static_cast<int64_t>(p.num_heads) * Record::kBytes,
-              ops.smem_addr(ops.smem()), ops.smem(), vbase};
+  StagePipe s{record_of(p, slot, head), static_cast<int64_t>(p.num_heads) * Record::kBytes,
+              ops.smem_addr(ops.smem()), ops.smem(), vbase, parts};
   if (copies) {
-    load_stage<kThreads>(ops, s.base, s.rec, vbase, tid);
+    load_stage<kThreads>(ops, s.base, s.rec, vbase, parts, tid);
     ops.cp_commit();
   }
   return s;
@@ -1228,7 +1246,8 @@ __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, in
   ops.sync();
   if (copies && n + 1 < nchunks) {
     s.rec += s.rec_step;
-    load_stage<kThreads>(ops, s.base + ((n + 1) & 1) * S::kStageBytes, s.rec, s.vbase, tid);
+    load_stage<kThreads>(ops, s.base + ((n + 1) & 1) * S::kStageBytes, s.rec, s.vbase, s.parts,
+                         tid);
     ops.cp_commit();
   }
   return {s.base + static_cast<uint32_t>(n & 1) * S::kStageBytes,
@@ -1379,50 +1398,124 @@ KDA_UNROLL
   }
 }
 
-// The state warp of value tile vt: holds S^T (16 value rows x 128 keys), publishes sf and uf.
-// `xchg` is the lane's word of slot 0 of the tile's exchange.
+// What a phase-2 block walks: chunks [c0, c1) of sequence seq (segment seg of nseg), in one
+// of three roles (docs/design.md, "Segments"):
+//   Full:       the recurrence proper from the segment's true initial state: o rows, state
+//               checkpoints, and at the end the pool line (last segment) or, for segment 0 of
+//               a segmented sequence, the segment-end state E in the workspace;
+//   Summary:    the state from zero over the segment (no o), stored as E;
+//   Transition: the state from the identity with Uv = 0, i.e. the segment's transition
+//               matrix P (value column j of this walk is column j of P), stored as P.
+enum class WalkRole { Full, Summary, Transition };
+struct BlockWalk {
+  StateWalk walk;  // the sequence's span, chunk slot of its chunk 0 and chunk count
+  int64_t seq = 0, slot = 0, seg = 0, nseg = 1, c0 = 0, c1 = 0;
+  WalkRole role = WalkRole::Full;
+  int slice = 0;
+};
+
+// The segments of a sequence of `nchunks` chunks: one when the op does not segment.
+__host__ __device__ __forceinline__ int64_t segment_count(const RecurrenceParams& p,
+                                                          int64_t nchunks) {
+  return nchunks <= 0 ? 0 : ((nchunks - 1) >> p.seg_chunk_shift) + 1;
+}
+__host__ __device__ __forceinline__ bool segmented(const RecurrenceParams& p) {
+  return p.seg_chunk_shift < recurrence::kNoSegments;
+}
+// The workspace's fp32 128 x 128 matrix of segment slot `slot` and head `head` (E or P),
+// stored [v][c]: element (key c, value v) at v * 128 + c.
+__host__ __device__ __forceinline__ float* segment_matrix(float* base, const RecurrenceParams& p,
+                                                          int64_t slot, int head) {
+  return base + (slot * p.num_heads + head) * int64_t{kHeadDim * kHeadDim};
+}
+
+// A state warp's S^T from / to a workspace matrix ([v][c], fp32, exact).
+__host__ __device__ __forceinline__ void load_state_ws(float (&st)[StateTraits::kKeyTiles][4],
+                                                       const float* m, int v0, int g, int t) {
+KDA_UNROLL
+  for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      st[nt][r] = m[v * kHeadDim + c];
+    }
+  }
+}
+__host__ __device__ __forceinline__ void store_state_ws(
+    const float (&st)[StateTraits::kKeyTiles][4], float* m, int v0, int g, int t) {
+KDA_UNROLL
+  for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
+KDA_UNROLL
+    for (int r = 0; r < 4; ++r) {
+      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      m[v * kHeadDim + c] = st[nt][r];
+    }
+  }
+}
+
+// The state warp of value tile vt: holds S^T (16 value rows x 128 keys); in the Full role it
+// publishes sf and uf for the output warp. `xchg` is the lane's word of slot 0 of the tile's
+// exchange.
 KDA_OPS_BODY
 template <class Ops>
 __host__ __device__ __forceinline__ void state_warp(Ops& ops, const RecurrenceParams& p,
-                                                    const StateWalk& walk, StagePipe& pipe,
-                                                    int64_t seq, int head, int vt, int v0,
+                                                    const BlockWalk& bw, StagePipe& pipe,
+                                                    int head, int vt, int v0,
                                                     unsigned char* xchg, int tid) {
   using S = StateTraits;
   constexpr int kKeyTiles = S::kKeyTiles;
   const int lane = tid & 31;
   const int g = lane >> 2, t = lane & 3, m = lane >> 3, r8 = lane & 7;
   const int vrow = vt * S::kRowsPerWarp;
+  const bool full = bw.role == WalkRole::Full;
   float st[kKeyTiles][4];
-  const int64_t state_at = state_head_at(p, walk.span.line, head);
-  const bool from_state = p.has_initial_state != nullptr && p.has_initial_state[seq];
-  load_state(st, p, state_at, from_state, v0, g, t);
+  const int64_t state_at = state_head_at(p, bw.walk.span.line, head);
+  if (bw.role == WalkRole::Transition) {
+KDA_UNROLL
+    for (int nt = 0; nt < kKeyTiles; ++nt)
+KDA_UNROLL
+      for (int r = 0; r < 4; ++r)
+        st[nt][r] = (v0 + g + 8 * (r >> 1) == 8 * nt + 2 * t + (r & 1)) ? 1.0f : 0.0f;
+  } else if (full && bw.seg > 0) {
+    load_state_ws(st, segment_matrix(p.seg_states, p, bw.slot - 1, head), v0, g, t);
+  } else {
+    const bool from_state = full && p.has_initial_state != nullptr && p.has_initial_state[bw.seq];
+    load_state(st, p, state_at, from_state, v0, g, t);
+  }
   // The sequence's checkpoints, read once: per chunk the test is integer arithmetic on them.
-  const CheckpointSeq checkpoints = recurrence::checkpoints_of(p, seq);
-  const int64_t rows = walk.span.eos - walk.span.bos;
+  const CheckpointSeq checkpoints = full ? recurrence::checkpoints_of(p, bw.seq) : CheckpointSeq{};
+  const int64_t rows = bw.walk.span.eos - bw.walk.span.bos;
+  const int64_t count = bw.c1 - bw.c0;
   // Non-transposed B tiles stored [n][k]: matrix m covers rows 8 (m >> 1).. and columns
   // 8 (m & 1).., so r[0], r[1] are b0, b1 of n-tile 2np and r[2], r[3] those of n-tile 2np + 1.
   const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
   unsigned char* xchg_uf = xchg + S::kSfSlots * S::kSlotBytes;
 
 KDA_UNROLL_1
-  for (int64_t n = 0; n < walk.nchunks; ++n) {
-    const Stage st_n =
-        enter_chunk<S::kCopyThreads>(ops, pipe, n, walk.nchunks, 0, /*copies=*/false);
+  for (int64_t i = 0; i < count; ++i) {
+    const Stage st_n = enter_chunk<S::kCopyThreads>(ops, pipe, i, count, 0, /*copies=*/false);
     const float* uvt = reinterpret_cast<const float*>(st_n.ptr + S::kUvT);
 
     // sf, published for O (the output warp may read it once barrier 1 + vt completes).
     uint32_t sf[S::kSfSlots][4];
     pack_state_bf16(st, sf);
+    if (full) {
 KDA_UNROLL
-    for (int kk = 0; kk < S::kSfSlots; ++kk)
-      st_as<uint4>(xchg + kk * S::kSlotBytes,
-                   make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
-    if (vt == 0) ops.named_arrive(1, S::kPairThreads);
-    else ops.named_arrive(2, S::kPairThreads);
+      for (int kk = 0; kk < S::kSfSlots; ++kk)
+        st_as<uint4>(xchg + kk * S::kSlotBytes,
+                     make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
+      if (vt == 0) ops.named_arrive(1, S::kPairThreads);
+      else ops.named_arrive(2, S::kPairThreads);
+    }
 
-    // ua = -U^T = S0^T W^T - Uv^T, then U^T.
+    // ua = -U^T = S0^T W^T - Uv^T (Uv = 0 for the transition), then U^T.
     float ua[kChunk / 8][4];
-    load_neg_uv(ua, uvt, vrow, g, t);
+    if (bw.role == WalkRole::Transition) {
+KDA_UNROLL
+      for (int nt = 0; nt < kChunk / 8; ++nt) ua[nt][0] = ua[nt][1] = ua[nt][2] = ua[nt][3] = 0.0f;
+    } else {
+      load_neg_uv(ua, uvt, vrow, g, t);
+    }
 KDA_UNROLL
     for (int kk = 0; kk < S::kSfSlots; ++kk) {
 KDA_UNROLL
@@ -1439,36 +1532,48 @@ KDA_UNROLL
       for (int r = 0; r < 4; ++r) ua[nt][r] = -ua[nt][r];
 
     // uf, published for O += U^T M'^T (barrier 3 + vt).
-    uint32_t uf[kChunk / 16][4];
-    pack_u_bf16(ua, uf);
+    if (full) {
+      uint32_t uf[kChunk / 16][4];
+      pack_u_bf16(ua, uf);
 KDA_UNROLL
-    for (int kq = 0; kq < S::kUfSlots; ++kq)
-      st_as<uint4>(xchg_uf + kq * S::kSlotBytes,
-                   make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
-    if (vt == 0) ops.named_arrive(3, S::kPairThreads);
-    else ops.named_arrive(4, S::kPairThreads);
+      for (int kq = 0; kq < S::kUfSlots; ++kq)
+        st_as<uint4>(xchg_uf + kq * S::kSlotBytes,
+                     make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
+      if (vt == 0) ops.named_arrive(3, S::kPairThreads);
+      else ops.named_arrive(4, S::kPairThreads);
+    }
 
     // S^T = S0^T diag(gamma) + U^T Kb'.
     update_state_f16(ops, st, ua, reinterpret_cast<const float*>(st_n.ptr + S::kGamma),
                      st_n.addr + S::kKb, lane);
 
     // st is now the state after the first `end` rows. A checkpoint there gets these very
-    // registers, as the final store below does: a run cut at `end` has the same chunks up to
-    // here (chunks start at the sequence's first row; checkpoint ends are chunk ends or its
-    // last row), so it stores bitwise the same line (rounded alike when the pool is bf16).
-    const int64_t end = std::min((n + 1) * kChunk, rows);
+    // registers, as the final store below does: a run cut at `end` has the same chunks and
+    // the same segments up to here (both are relative to the sequence's first row, and the
+    // segment length depends on capacities only; checkpoint ends are chunk ends or its last
+    // row), so it stores bitwise the same line (rounded alike when the pool is bf16).
+    const int64_t end = std::min((bw.c0 + i + 1) * kChunk, rows);
     const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
     if (ck >= 0) store_state(st, p, state_head_at(p, ck, head), v0, g, t);
   }
 
-  store_state(st, p, state_at, v0, g, t);
+  // The end: the pool line after the last segment; E after segment 0 and after a summary; P
+  // after a transition. Pass 3's other segments store nothing: their E is the scan's result,
+  // the next segment's start, which pass 3 reads meanwhile.
+  if (bw.role == WalkRole::Transition)
+    store_state_ws(st, segment_matrix(p.seg_trans, p, bw.slot, head), v0, g, t);
+  else if (full && bw.seg == bw.nseg - 1)
+    store_state(st, p, state_at, v0, g, t);
+  else if (!full || bw.seg == 0)
+    store_state_ws(st, segment_matrix(p.seg_states, p, bw.slot, head), v0, g, t);
 }
 
-// The output warp of value tile vt: O^T from the published sf and uf, and the o rows.
+// The output warp of value tile vt: O^T from the published sf and uf, and the o rows (Full
+// role); in the other roles it only copies the records.
 KDA_OPS_BODY
 template <class Ops>
 __host__ __device__ __forceinline__ void output_warp(Ops& ops, const RecurrenceParams& p,
-                                                     const StateWalk& walk, StagePipe& pipe,
+                                                     const BlockWalk& bw, StagePipe& pipe,
                                                      int head, int vt, int v0,
                                                      const unsigned char* xchg, int tid) {
   using S = StateTraits;
@@ -1478,11 +1583,18 @@ __host__ __device__ __forceinline__ void output_warp(Ops& ops, const RecurrenceP
   const uint32_t off_tile = (r8 + 8 * (m >> 1)) * S::kPitchTile + (m & 1) * 16;
   const uint32_t off_mp = (r8 + 8 * (m >> 1)) * S::kPitchMp + (m & 1) * 16;
   const unsigned char* xchg_uf = xchg + S::kSfSlots * S::kSlotBytes;
+  const int64_t count = bw.c1 - bw.c0;
+  if (bw.role != WalkRole::Full) {
+KDA_UNROLL_1
+    for (int64_t i = 0; i < count; ++i)
+      enter_chunk<S::kCopyThreads>(ops, pipe, i, count, tid - S::kCopyThreads, /*copies=*/true);
+    return;
+  }
 
 KDA_UNROLL_1
-  for (int64_t n = 0; n < walk.nchunks; ++n) {
-    const Stage st_n = enter_chunk<S::kCopyThreads>(ops, pipe, n, walk.nchunks,
-                                                    tid - S::kCopyThreads, /*copies=*/true);
+  for (int64_t i = 0; i < count; ++i) {
+    const Stage st_n = enter_chunk<S::kCopyThreads>(ops, pipe, i, count, tid - S::kCopyThreads,
+                                                    /*copies=*/true);
 
     // oa = O^T = S0^T Qt^T, per accumulator the k-steps kk in ascending order.
     float oa[kChunk / 8][4];
@@ -1516,35 +1628,148 @@ KDA_UNROLL
       uf[kq][3] = w.w;
     }
     add_u_mp(ops, oa, uf, st_n.addr, off_mp);
-    store_o_chunk(p, walk.span, n, head, v0, g, t, oa);
+    store_o_chunk(p, bw.walk.span, bw.c0 + i, head, v0, g, t, oa);
   }
 }
 
-// One (sequence, head, value slice) of phase 2, as thread `tid` of StateTraits::kThreads.
+// Which walk block (slot, z) of phase-2 pass `pass` runs (false: none). Pass 1 grid
+// (seg_slots, H, 8 when segmented, else 4), pass 3 grid (seg_slots, H, 4), z = role and value
+// slice (docs/design.md, "Segments"):
+//   pass 1: segment 0: Full on slices z < 4; segments 1 .. nseg - 2: Summary (z < 4) and
+//           Transition (z >= 4) on slice z % 4; the last segment: nothing;
+//   pass 3: segments >= 1: Full on slice z.
+// The sequence of a slot: the radix search over the segment map (every lane of the calling
+// warp calls it), or slot = sequence when the op does not segment. Depends on the block's
+// indices and metadata only, so every warp of the block gets the same answer.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ bool block_walk(Ops& ops, const RecurrenceParams& p, int pass,
+                                                    int64_t slot, int z, int lane, BlockWalk& bw) {
+  const int seg_shift = kChunkShift + p.seg_chunk_shift;
+  const int64_t seq = segmented(p) ? ops.locate_sequence(p, slot, lane, seg_shift) : slot;
+  if (seq < 0 || seq >= p.max_seqs) return false;
+  if (!state_walk(p, seq, bw.walk)) return false;
+  bw.seq = seq;
+  bw.slot = slot;
+  bw.nseg = segment_count(p, bw.walk.nchunks);
+  if (segmented(p)) {
+    const int64_t first = varlen::first_slot(p.query_start_loc[seq], seq, seg_shift);
+    // Only malformed metadata leaves the segment slots (as state_walk checks the chunk slots).
+    if (first < 0 || first + bw.nseg > p.seg_slots) return false;
+    bw.seg = slot - first;
+  } else {
+    bw.seg = 0;
+  }
+  if (bw.seg >= bw.nseg) return false;
+  bw.slice = z % StateTraits::kSlices;
+  if (pass == 1) {
+    if (bw.seg == 0) {
+      if (z >= StateTraits::kSlices) return false;
+      bw.role = WalkRole::Full;
+    } else if (bw.seg <= bw.nseg - 2) {
+      bw.role = z < StateTraits::kSlices ? WalkRole::Summary : WalkRole::Transition;
+    } else {
+      return false;
+    }
+  } else {
+    if (bw.seg == 0) return false;
+    bw.role = WalkRole::Full;
+  }
+  bw.c0 = bw.seg << p.seg_chunk_shift;
+  bw.c1 = std::min(bw.c0 + (int64_t{1} << p.seg_chunk_shift), bw.walk.nchunks);
+  return true;
+}
+
+// One block of phase-2 pass `pass` (1 or 3), as thread `tid` of StateTraits::kThreads.
 // Exits are uniform over the block; the two roles run their own chunk loops, which meet at the
 // same number of block barriers (one per chunk, in enter_chunk).
 KDA_OPS_BODY
 template <class Ops>
-__host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceParams& p,
-                                                     int64_t seq, int head, int slice, int tid) {
+__host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceParams& p, int pass,
+                                                     int64_t slot, int head, int z, int tid) {
   using S = StateTraits;
-  StateWalk walk;
-  if (!state_walk(p, seq, walk)) return;
   const int lane = tid & 31, warp = tid >> 5;
+  BlockWalk bw;
+  if (!block_walk(ops, p, pass, slot, z, lane, bw)) return;
   const int vt = warp % S::kValueTiles;
-  const int vbase = slice * S::kColumns;
+  const int vbase = bw.slice * S::kColumns;
   const int v0 = vbase + vt * S::kRowsPerWarp;
   unsigned char* xchg = ops.smem() + S::kXchg + vt * S::kXchgTileBytes + lane * 16;
   // The output warps copy the records alone (kCopyThreads = their 64 threads, thread index
   // tid - kCopyThreads): the state warps' stream, the recurrence's critical path, then carries
   // no cp.async and no copy address arithmetic.
   const bool copier = warp >= S::kValueTiles;
-  StagePipe pipe = start_stages<S::kCopyThreads>(ops, p, walk.first, head, vbase,
-                                                 tid - S::kCopyThreads, copier);
+  const StageParts parts = bw.role == WalkRole::Full      ? StageParts::All
+                           : bw.role == WalkRole::Summary ? StageParts::State
+                                                          : StageParts::Transition;
+  StagePipe pipe = start_stages<S::kCopyThreads>(ops, p, bw.walk.first + bw.c0, head, vbase,
+                                                 parts, tid - S::kCopyThreads, copier);
   if (!copier)
-    state_warp(ops, p, walk, pipe, seq, head, vt, v0, xchg, tid);
+    state_warp(ops, p, bw, pipe, head, vt, v0, xchg, tid);
   else
-    output_warp(ops, p, walk, pipe, head, vt, v0, xchg, tid);
+    output_warp(ops, p, bw, pipe, head, vt, v0, xchg, tid);
+}
+
+// Phase 2's pass 2, the scan over segments: per (sequence, head, value slice), in segment
+// order m = 1 .. nseg - 2, E_m <- P_m E_(m-1) + E_m, which turns every E into the true state at
+// its segment's end (E_0 is, from pass 1). In the [v][c] storage: E_m[v][:] += E_(m-1)[v][:] P_m^T
+// as rows, i.e. E_m[v][c] += sum_j E_(m-1)[v][j] P_m[c][j] with P_m stored [j][c]. fp32 on CUDA
+// cores, the sum over j in ascending order. kScanThreads threads; smem: P_m (64 KB) and the
+// slice's 32 rows of E_(m-1) (16 KB).
+struct ScanTraits {
+  static constexpr int kThreads = 256;
+  static constexpr int kRows = StateTraits::kColumns;  // value rows of the slice
+  static constexpr int kSmemBytes = (kHeadDim * kHeadDim + kRows * kHeadDim) * 4;
+  static_assert(kRows * kHeadDim == 16 * kThreads, "4 x 4 results per thread");
+};
+
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void scan_block(Ops& ops, const RecurrenceParams& p,
+                                                    int64_t seq, int head, int slice, int tid) {
+  using T = ScanTraits;
+  StateWalk walk;
+  if (!segmented(p) || !state_walk(p, seq, walk)) return;
+  const int64_t nseg = segment_count(p, walk.nchunks);
+  if (nseg < 3) return;
+  const int seg_shift = kChunkShift + p.seg_chunk_shift;
+  const int64_t first = varlen::first_slot(p.query_start_loc[seq], seq, seg_shift);
+  if (first < 0 || first + nseg > p.seg_slots) return;
+  float* sp = reinterpret_cast<float*>(ops.smem());  // P_m, [j][c]
+  float* se = sp + kHeadDim * kHeadDim;                 // E_(m-1), the slice's rows [v][j]
+  const int v_base = slice * T::kRows;
+  const int r0 = (tid / 32) * 4, c0 = (tid % 32) * 4;  // rows r0.., columns c0.. of the slice
+  for (int64_t m = 1; m <= nseg - 2; ++m) {
+    const float* pm = segment_matrix(p.seg_trans, p, first + m, head);
+    const float* eprev = segment_matrix(p.seg_states, p, first + m - 1, head) + v_base * kHeadDim;
+    float* em = segment_matrix(p.seg_states, p, first + m, head) + v_base * kHeadDim;
+    // The previous step's reads of sp / se are done, and its stores of E_m (now E_(m-1)) are
+    // visible to the whole block (a block barrier orders global memory too).
+    ops.sync();
+    for (int e = tid; e < kHeadDim * kHeadDim / 4; e += T::kThreads)
+      st_as<float4>(sp + 4 * e, ld_as<float4>(pm + 4 * e));
+    for (int e = tid; e < T::kRows * kHeadDim / 4; e += T::kThreads)
+      st_as<float4>(se + 4 * e, ld_as<float4>(eprev + 4 * e));
+    ops.sync();
+    float acc[4][4];
+    for (int r = 0; r < 4; ++r) {
+      const float4 e4 = ld_as<float4>(em + (r0 + r) * kHeadDim + c0);
+      acc[r][0] = e4.x, acc[r][1] = e4.y, acc[r][2] = e4.z, acc[r][3] = e4.w;
+    }
+    for (int j = 0; j < kHeadDim; ++j) {
+      const float4 pj = ld_as<float4>(sp + j * kHeadDim + c0);
+      for (int r = 0; r < 4; ++r) {
+        const float ev = se[(r0 + r) * kHeadDim + j];
+        acc[r][0] = fmaf(ev, pj.x, acc[r][0]);
+        acc[r][1] = fmaf(ev, pj.y, acc[r][1]);
+        acc[r][2] = fmaf(ev, pj.z, acc[r][2]);
+        acc[r][3] = fmaf(ev, pj.w, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      st_as<float4>(em + (r0 + r) * kHeadDim + c0,
+                    make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+  }
 }
 
 }  // namespace kda::chunked

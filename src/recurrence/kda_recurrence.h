@@ -86,6 +86,12 @@ struct PrepRecurrenceArgs {
   const CheckpointSeq* checkpoint_seqs = nullptr;
   const CheckpointEntry* checkpoint_entries = nullptr;
   int64_t max_checkpoints = 0;
+
+  // kda_chunked only (kda_prep_recurrence ignores it): sequence parallelism, the length of the
+  // segments a sequence is cut into (kda_chunked.h). kKdaAutoSegments (-1): the op's choice
+  // from the capacities and the device's SM count; 0: never cut; otherwise a power of two
+  // >= 64 (tokens).
+  int64_t segment_tokens = -1;
 };
 
 // True when both kernels can run `args` (the argument checks they share; kda_chunked_supported

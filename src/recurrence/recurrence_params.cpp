@@ -132,7 +132,61 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
 
 namespace recurrence {
 
-RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* workspace) {
+ChunkedLayout chunked_layout(const PrepRecurrenceArgs& a, int seg_chunk_shift) {
+  ChunkedLayout l;
+  l.seg_chunk_shift = seg_chunk_shift;
+  if (a.num_tokens <= 0 || a.max_seqs <= 0 || a.num_heads <= 0) return l;
+  const auto heads = static_cast<std::size_t>(a.num_heads);
+  l.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
+  l.record_bytes = static_cast<std::size_t>(l.slots) * heads * kRecordBytes;
+  if (seg_chunk_shift >= kNoSegments) {
+    l.seg_slots = a.max_seqs;
+  } else {
+    l.seg_slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift + seg_chunk_shift);
+    l.seg_bytes = static_cast<std::size_t>(l.seg_slots) * heads * kHeadDim * kHeadDim * 4;
+  }
+  return l;
+}
+
+// The model (docs/design.md, "Segments"): phase 2 runs one block per SM, and a walk block
+// takes a time t per chunk whatever its role, so a pass of b blocks over segments of L chunks
+// takes ceil(b / S) L t on S SMs. One sequence of N chunks, B = 4 H blocks per segment and
+// role, n = ceil(N / L) segments: pass 1 runs B (2 n - 3) blocks (segment 0's walk, and the
+// summary and the transition of segments 1 .. n - 2), pass 3 B (n - 1), and the scan n - 2
+// steps of about kScanStep chunk times each.
+int auto_segment_shift(int64_t num_tokens, int64_t num_heads, int sm_count) {
+  constexpr int64_t kScanStep = 2;
+  if (sm_count <= 0) return kNoSegments;
+  const int64_t n_chunks = (num_tokens + kKdaChunk - 1) / kKdaChunk;
+  const int64_t b = 4 * std::max<int64_t>(num_heads, 1), sms = std::max(sm_count, 1);
+  const auto waves = [&](int64_t blocks) { return (blocks + sms - 1) / sms; };
+  const int64_t uncut = waves(b) * n_chunks;
+  int64_t best_cost = uncut;
+  int best = kNoSegments;
+  for (int k = kMinAutoSegmentShift; k < 30 && (int64_t{1} << k) < n_chunks; ++k) {
+    const int64_t len = int64_t{1} << k, n = (n_chunks + len - 1) / len;
+    const int64_t cost =
+        waves(b * (2 * n - 3)) * len + waves(b * (n - 1)) * len + kScanStep * (n - 2);
+    if (cost < best_cost) best_cost = cost, best = k;
+  }
+  return 5 * best_cost <= 4 * uncut ? best : kNoSegments;
+}
+
+int segment_shift_of(const PrepRecurrenceArgs& a, int sm_count) {
+  int shift = kNoSegments;
+  if (a.segment_tokens < 0) {
+    shift = auto_segment_shift(a.num_tokens, a.num_heads, sm_count);
+  } else if (a.segment_tokens > 0) {
+    shift = 0;
+    while ((kKdaChunk << shift) < a.segment_tokens) ++shift;
+  }
+  // Segments as long as the longest possible sequence cut nothing.
+  const int64_t n_chunks = (a.num_tokens + kKdaChunk - 1) / kKdaChunk;
+  return shift < kNoSegments && (int64_t{1} << shift) < n_chunks ? shift : kNoSegments;
+}
+
+RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* workspace,
+                                        int seg_chunk_shift) {
   RecurrenceParams p{};
   p.query_start_loc = a.query_start_loc;
   p.cache_indices = a.cache_indices;
@@ -168,6 +222,15 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.search_steps = varlen::search_steps(a.max_seqs);
   p.search_stride = varlen::search_stride(p.search_steps);
   p.workspace = static_cast<unsigned char*>(workspace);
+  const ChunkedLayout layout = chunked_layout(a, seg_chunk_shift);
+  p.seg_chunk_shift = seg_chunk_shift;
+  p.seg_slots = layout.seg_slots;
+  p.seg_states = nullptr;
+  p.seg_trans = nullptr;
+  if (workspace != nullptr && layout.seg_bytes > 0) {
+    p.seg_states = reinterpret_cast<float*>(p.workspace + layout.record_bytes);
+    p.seg_trans = reinterpret_cast<float*>(p.workspace + layout.record_bytes + layout.seg_bytes);
+  }
   return p;
 }
 

@@ -6,6 +6,7 @@
 // the functions.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/host_device.h"
@@ -80,7 +81,45 @@ struct RecurrenceParams {
   int search_steps;
   int64_t search_stride;
   unsigned char* workspace;  // nullptr for kda_prep_recurrence
+
+  // kda_chunked's sequence parallelism (kda_chunked_body.cuh, "Segments"): a sequence's chunks
+  // are cut into segments of 2^seg_chunk_shift chunks from its first row; segment slots follow
+  // the varlen map with 2^(6 + seg_chunk_shift)-token chunks. kNoSegments: one segment per
+  // sequence, and slot = sequence. seg_states / seg_trans: seg_slots x H fp32 128 x 128
+  // matrices in the workspace (after the records), null when not segmented.
+  int seg_chunk_shift;
+  int64_t seg_slots;
+  float* seg_states;
+  float* seg_trans;
 };
+
+// seg_chunk_shift of an op that does not cut sequences (2^40 chunks: more than any batch).
+constexpr int kNoSegments = 40;
+// The smallest segment auto_segment_shift picks: 16 chunks (1024 tokens).
+constexpr int kMinAutoSegmentShift = 4;
+// Bytes of one (chunk slot, head) record of kda_chunked (chunked::Record::kBytes).
+constexpr std::size_t kRecordBytes = 90624;
+
+// kda_chunked's workspace for `args`, cut into segments of 2^seg_chunk_shift chunks
+// (kNoSegments: not cut): the records, then the segment-end states E and transitions P.
+struct ChunkedLayout {
+  int seg_chunk_shift = kNoSegments;
+  int64_t slots = 0, seg_slots = 0;
+  std::size_t record_bytes = 0;  // slots x H x Record bytes
+  std::size_t seg_bytes = 0;     // each of E and P: seg_slots x H x 64 KB (0 when not cut)
+  std::size_t total() const { return record_bytes + 2 * seg_bytes; }
+};
+ChunkedLayout chunked_layout(const PrepRecurrenceArgs& args, int seg_chunk_shift);
+
+// The segment length (as seg_chunk_shift) kda_chunked picks for args.segment_tokens ==
+// kKdaAutoSegments on a device of `sm_count` SMs: the one with the smallest modelled phase-2
+// time for a single sequence of num_tokens, or kNoSegments when no cut saves a fifth of the
+// uncut walk (docs/design.md, "Segments", has the model). Host arithmetic only.
+int auto_segment_shift(int64_t num_tokens, int64_t num_heads, int sm_count);
+
+// seg_chunk_shift for args on a device of sm_count SMs: args.segment_tokens if set, else
+// auto_segment_shift. args passed kda_chunked_supported.
+int segment_shift_of(const PrepRecurrenceArgs& args, int sm_count);
 
 // Sequence `seq`'s checkpoints (none when the op has no checkpoint tables): read once per
 // block, before its token loop, so that the test at each chunk end is integer arithmetic.
@@ -101,6 +140,7 @@ KDA_HOST_DEVICE inline int64_t checkpoint_line(const RecurrenceParams& p, int32_
 // The params of `args` (which passed kda_prep_recurrence_supported()); `workspace` is
 // kda_chunked's, nullptr for kda_prep_recurrence. Reads no device memory.
 RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& args,
-                                        void* workspace = nullptr);
+                                        void* workspace = nullptr,
+                                        int seg_chunk_shift = kNoSegments);
 
 }  // namespace kda::recurrence

@@ -195,8 +195,8 @@ struct HostOps {
     return s.f[lane() ^ mask][0];
   }
 
-  int64_t locate_sequence(const RecurrenceParams& p, int64_t slot_index, int) {
-    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.max_seqs, kda::chunked::kChunkShift,
+  int64_t locate_sequence(const RecurrenceParams& p, int64_t slot_index, int, int shift) {
+    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.max_seqs, shift,
                                            p.search_steps, p.search_stride, slot_index)
         .seq;
   }
@@ -341,6 +341,12 @@ void run_block(int threads, std::size_t smem_bytes, bool late_copies, Body body)
   REQUIRE(blk.errors.load() == 0);
 }
 
+// The segment length kda_chunked uses for args: without a device, args.segment_tokens (the
+// tests set it) or no cut.
+int segment_shift(const kda::PrepRecurrenceArgs& args) {
+  return kda::recurrence::segment_shift_of(args, 0);
+}
+
 // The records kda_chunked's phase 1 leaves, with room for these capacities: NaN at first,
 // so a record phase 2 reads but phase 1 did not write shows.
 std::vector<uint4> new_workspace(const kda::PrepRecurrenceArgs& args) {
@@ -354,6 +360,7 @@ void emulate_prep(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& works
   std::string why;
   REQUIRE_MESSAGE(kda::kda_chunked_supported(args, &why), why);
   const RecurrenceParams p = kda::recurrence::make_recurrence_params(args, workspace.data());
+  REQUIRE(kda::recurrence::chunked_layout(args, segment_shift(args)).total() <= workspace.size() * 16);
   using kda::chunked::PrepSmem;
   for (int64_t slot = 0; slot < p.slots; ++slot)
     for (int head = 0; head < p.num_heads; ++head)
@@ -366,15 +373,34 @@ void emulate_prep(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& works
                 });
 }
 
-// Phase 2 (the grid and block of kda_chunked's launch of it) on the records.
+// Phase 2 (the grids and blocks of kda_chunked's launches of it) on the records: pass 1, and
+// when the op cuts sequences into segments the scan and pass 3.
 void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies) {
-  const RecurrenceParams p = kda::recurrence::make_recurrence_params(args, workspace.data());
+  const RecurrenceParams p =
+      kda::recurrence::make_recurrence_params(args, workspace.data(), segment_shift(args));
   using kda::chunked::StateTraits;
+  const bool cut = kda::chunked::segmented(p);
+  // Blocks of a launch may run in any order: pass 3 runs its slots last first, so that a block
+  // reading a state that another block of the pass writes would see the unwritten (NaN) one.
+  const auto pass = [&](int which, int zs) {
+    for (int64_t i = 0; i < p.seg_slots; ++i) {
+      const int64_t slot = which == 3 ? p.seg_slots - 1 - i : i;
+      for (int head = 0; head < p.num_heads; ++head)
+        for (int z = 0; z < zs; ++z)
+          run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies, [&](HostOps& ops, int tid) {
+            kda::chunked::state_block(ops, p, which, slot, head, z, tid);
+          });
+    }
+  };
+  pass(1, (cut ? 2 : 1) * StateTraits::kSlices);
+  if (!cut) return;
+  using kda::chunked::ScanTraits;
   for (int64_t seq = 0; seq < p.max_seqs; ++seq)
     for (int head = 0; head < p.num_heads; ++head)
       for (int slice = 0; slice < StateTraits::kSlices; ++slice)
-        run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies,
-                  [&](HostOps& ops, int tid) { kda::chunked::state_block(ops, p, seq, head, slice, tid); });
+        run_block(ScanTraits::kThreads, ScanTraits::kSmemBytes, late_copies,
+                  [&](HostOps& ops, int tid) { kda::chunked::scan_block(ops, p, seq, head, slice, tid); });
+  pass(3, StateTraits::kSlices);
 }
 
 // kda_chunked's two launches.
@@ -395,6 +421,7 @@ struct HostBatchData {
   std::vector<uint16_t> q, k, v, g1, b, o;
   std::vector<float> a_log, dt_bias, pool;
   bool bf16_pool = false;
+  int64_t segment_tokens = 0;  // PrepRecurrenceArgs::segment_tokens: no cut unless a test asks
   std::vector<uint16_t> pool_bf16;
   std::vector<int32_t> qsl, cache;
   std::vector<uint8_t> init;  // bool storage
@@ -446,6 +473,7 @@ struct HostBatchData {
       a.checkpoint_entries = checkpoint_entries.data();
       a.max_checkpoints = static_cast<int64_t>(checkpoint_entries.size());
     }
+    a.segment_tokens = segment_tokens;
     return a;
   }
 
@@ -930,6 +958,62 @@ TEST_CASE("emulated state checkpoints are bitwise the states of runs cut there a
     if (!written[i] && std::memcmp(&tail.pool[i], &run.pool[i], sizeof(float)) != 0) ++pool_changed;
   CHECK(o_changed == 0);
   CHECK(pool_changed == 0);
+}
+
+TEST_CASE("emulated segments match the float64 reference; their checkpoints are bitwise the cut runs' lines") {
+  // Segments of 128 rows (2 chunks). Sequence 0 (700 rows, 11 chunks, from an initial state)
+  // has 6 segments: pass 1 walks its segment 0 and the summaries and transitions of segments
+  // 1 .. 4, the scan takes 4 steps, pass 3 walks segments 1 .. 5 from the scanned states.
+  // Sequence 3 (200 rows: 2 segments, no scan step), sequence 1 (100 rows, one segment, from
+  // an initial state), an empty sequence 2.
+  const std::vector<int> lens = {700, 100, 0, 200};
+  const std::vector<int> lines = {1, 2, 3, 4};
+  const std::vector<int> init = {1, 1, 0, 0};
+  HostBatchData before = make_batch(/*heads=*/1, lens, lines, init, /*pad_tokens=*/5, std::nullopt, 77u);
+  before.segment_tokens = 128;
+  // Weak decay and small beta (per-token decays above exp(-0.01), beta about 0.05): a segment's
+  // transition P keeps most of the state (with the batch's usual gates it keeps a few percent,
+  // and a wrong start would fade below the tolerances within a segment).
+  for (float& x : before.dt_bias) x = -7.0f;
+  for (auto& x : before.b) x = kda::host::float_to_bf16(-3.0f);
+  // Lines 0..4 exist; 5..7 take the checkpoints: sequence 0 after 192 rows (inside segment 1)
+  // and 640 (the end of segment 4, whose start the scan gives), sequence 3 after 128 (the end
+  // of its segment 0).
+  before.lines = 8;
+  before.pool.resize(before.lines * before.line_stride);
+  poison_pool(before);
+  set_checkpoints(before, {{0, 192, 448, 2, {5, 6}}, {3, 128, 0, 1, {7}}}, 0);
+  HostBatchData run = before;
+  emulate_kda_chunked(run.args(), /*late_copies=*/true);
+  check_against_reference(before, run, run_reference(before), {5, 6, 7});
+
+  for (const kda::CheckpointEntry& e : before.checkpoint_entries) {
+    CAPTURE(e.seq);
+    CAPTURE(e.end);
+    const kda::ref::TruncatedBatch cut = kda::ref::truncated_batch(before.host_batch(), e.seq, e.end);
+    HostBatchData alone = with_metadata(before, cut);
+    emulate_kda_chunked(alone.args(), /*late_copies=*/false);
+    const int64_t bits = state_diff_bits(run, e.line, alone, before.cache[e.seq]);
+    MESSAGE("segmented, sequence ", e.seq, ", checkpoint after ", e.end, " rows: ", bits,
+            " bits differ from the cut run's final state");
+    CHECK(bits == 0);
+  }
+
+  // The same batch uncut: the segments change the rounding, not the result beyond it.
+  HostBatchData uncut = before;
+  uncut.segment_tokens = 0;
+  emulate_kda_chunked(uncut.args(), /*late_copies=*/false);
+  kda::test::RelError o_err, s_err;
+  for (size_t i = 0; i < run.o.size(); ++i)
+    if (run.o[i] != kda::test::kPoison16)
+      o_err.add(kda::host::bf16_to_float(run.o[i]), kda::host::bf16_to_float(uncut.o[i]));
+  for (int line : {1, 2, 4})
+    for (int kc = 0; kc < 128; ++kc)
+      for (int vc = 0; vc < 128; ++vc)
+        s_err.add(run.pool[before.pool_index(line, 0, kc, vc)], uncut.pool[before.pool_index(line, 0, kc, vc)]);
+  MESSAGE("segmented against uncut: o ", o_err.value(), ", final states ", s_err.value());
+  CHECK(o_err.value() < 1e-2);
+  CHECK(s_err.value() < 5e-3);
 }
 
 TEST_CASE("an emulated bf16 pool holds the fp32 run's lines rounded to nearest even and is read widened") {

@@ -140,6 +140,7 @@ struct Problem {
   std::vector<uint16_t> q, k, v, g1, b;
   std::vector<float> a_log, dt_bias, pool0;
   kda::DType pool_dtype = kda::DType::FP32;
+  int64_t segment_tokens = kda::kKdaAutoSegments;  // PrepRecurrenceArgs::segment_tokens
   DeviceBuffer d_q, d_k, d_v, d_g1, d_b, d_a_log, d_dt_bias, d_pool, d_o, d_work;
 
   Problem(int64_t h, std::optional<double> bound, PoolLayout pool_layout, Batch& tb,
@@ -232,7 +233,15 @@ struct Problem {
     a.state_stride_v = layout.v;
     a.o = d_o.get();
     a.o_row_stride = o_stride;
+    a.segment_tokens = segment_tokens;
     return a;
+  }
+
+  // Cuts sequences into segments of n tokens (0: never, kKdaAutoSegments: the op's choice),
+  // with a workspace sized for it.
+  void set_segment_tokens(int64_t n) {
+    segment_tokens = n;
+    d_work = DeviceBuffer(std::max<size_t>(kda::kda_chunked_workspace_bytes(args()), 16));
   }
 
   // Poisons o and the workspace, restores the starting pool, launches, waits.
@@ -562,6 +571,42 @@ TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kern
   }
 }
 
+TEST_CASE("kda_chunked with sequences cut into segments matches the float64 reference") {
+  // Segments of 64 .. 512 tokens: a 1000-token sequence has up to 16 (pass 1: its first
+  // segment, the summaries and transitions of segments 1 .. 14; 14 scan steps; pass 3: the
+  // other 15), shorter ones one or two; initial states on every other sequence, the skipped,
+  // empty and out-of-pool sequences of varlen().
+  const std::vector<int32_t> lengths = quick_mode() ? std::vector<int32_t>{1000, 65, 300}
+                                                    : std::vector<int32_t>{1000, 1, 65, 300, 4000, 17, 640};
+  const std::vector<int64_t> segments = quick_mode() ? std::vector<int64_t>{128} : std::vector<int64_t>{64, 128, 512};
+  for (int64_t seg : segments) {
+    for (bool transposed : {false, true}) {
+      const int64_t heads = 2;
+      const PoolLayout layout = transposed ? transposed_with_gaps(heads) : contiguous(heads);
+      CAPTURE(seg);
+      CAPTURE(layout.name);
+      std::mt19937_64 rng(2500 + seg + transposed);
+      Batch batch(varlen(lengths, transposed), /*padding=*/2, static_cast<int64_t>(lengths.size()) + 6, rng);
+      Problem pr(heads, transposed ? std::optional<double>(-5.0) : std::nullopt, layout, batch, rng,
+                 /*padded=*/transposed, /*centred_keys=*/!transposed);
+      pr.set_segment_tokens(seg);
+      pr.run_simple();
+      const Problem::Result simple = pr.result();
+      const Problem::Reference ref = pr.reference();
+      pr.run_chunked();
+      const Problem::Result got = pr.result();
+      const Worst vs_ref = check_reference(pr, got, ref);
+      const Worst vs_simple = check_simple(pr, got, simple);
+      MESSAGE(describe(("segments of " + std::to_string(seg)).c_str(), heads, pr.lower_bound, layout, vs_ref,
+                       vs_simple));
+      pr.run_chunked();  // blocks of a pass in another order, the same bits
+      const Problem::Result again = pr.result();
+      CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
+      CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+    }
+  }
+}
+
 TEST_CASE("both kernels on bf16 state pools: the fp32 state, widened from and rounded to the pool lines") {
   // The kernels carry the state in fp32 and touch a bf16 pool only to load a line (widened,
   // exactly) and to store one (rounded to nearest even). So, against the float64 reference
@@ -667,9 +712,10 @@ TEST_CASE("bf16 state checkpoints are bitwise the final lines of runs cut there"
   }
 }
 
-TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
-  // One sequence of 16384 tokens and sixteen of 1024 (the benchmark's shapes), few heads so
-  // that the float64 reference stays fast. Quick mode: one sequence of 4096.
+TEST_CASE("kda_chunked stays accurate over long sequences and many short ones") {
+  // One sequence of 16384 tokens and sixteen of 1024 (the benchmark's shapes), one of 65536 and
+  // 300 of 37, few heads so that the float64 reference stays fast; the op picks its segments
+  // (on 132 SMs it cuts the long single sequences). Quick mode: one sequence of 4096.
   struct Case {
     std::vector<int32_t> lengths;
     int64_t heads;
@@ -681,6 +727,8 @@ TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
   } else {
     cases.push_back({{16384}, 2, std::nullopt});
     cases.push_back({std::vector<int32_t>(16, 1024), 1, -5.0});
+    cases.push_back({{65536}, 1, std::nullopt});
+    cases.push_back({std::vector<int32_t>(300, 37), 1, -5.0});
   }
   for (const Case& cs : cases) {
     CAPTURE(cs.lengths.size());
@@ -696,8 +744,12 @@ TEST_CASE("kda_chunked stays accurate over 16384-token sequences") {
     const Problem::Result got = pr.result();
     const Worst vs_ref = check_reference(pr, got, ref);
     const Worst vs_simple = check_simple(pr, got, simple);
-    MESSAGE(describe(cs.lengths.size() == 1 ? "one long sequence" : "16 x 1024", cs.heads, cs.bound,
-                     contiguous(cs.heads), vs_ref, vs_simple));
+    const std::string name = std::to_string(cs.lengths.size()) + " x " + std::to_string(cs.lengths[0]) +
+                             (kda::kda_chunked_workspace_bytes(pr.args()) >
+                                      static_cast<size_t>(pr.bucket / 64 + batch.max_seqs) * cs.heads * 90624
+                                  ? " (cut into segments)"
+                                  : " (whole)");
+    MESSAGE(describe(name.c_str(), cs.heads, cs.bound, contiguous(cs.heads), vs_ref, vs_simple));
   }
 }
 
@@ -793,20 +845,27 @@ TEST_CASE("kda_chunked state checkpoints are bitwise the states of runs cut ther
                                  {65, Kind::Live, true},   {200, Kind::Live, true}};
   const std::vector<CheckpointSpec> specs = {
       {0, 64, 64, len0 / 64}, {2, 128, 128, len2 / 128}, {4, 130, 0, 1}, {7, 192, 0, 1}};
+  // segment_tokens: 0 keeps sequences whole (continuations are bitwise then); 128 cuts them
+  // into segments (sequence parallelism): a checkpoint is still bitwise the line of a run cut
+  // there with the same segment length (both runs have the same segments up to it), but a
+  // continuation is cut differently, so the continuation part runs uncut only.
   struct Config {
     int64_t heads;
     std::optional<double> bound;
     bool transposed;
+    int64_t segment_tokens;
   };
-  std::vector<Config> configs = {{2, std::nullopt, false}};
-  if (!quick) configs.push_back({12, -5.0, true});
+  std::vector<Config> configs = {{2, std::nullopt, false, 0}, {2, std::nullopt, false, 128}};
+  if (!quick) configs.push_back({12, -5.0, true, 0});
   for (const Config& cfg : configs) {
     const PoolLayout layout = cfg.transposed ? transposed_with_gaps(cfg.heads) : contiguous(cfg.heads);
     CAPTURE(cfg.heads);
     CAPTURE(layout.name);
+    CAPTURE(cfg.segment_tokens);
     std::mt19937_64 rng(4000 + cfg.heads);
     Batch batch(seqs, /*padding=*/2, /*pool_lines=*/static_cast<int64_t>(seqs.size()) + 24, rng);
     Problem pr(cfg.heads, cfg.bound, layout, batch, rng, /*padded=*/cfg.transposed, /*centred_keys=*/cfg.transposed);
+    pr.set_segment_tokens(cfg.segment_tokens);
     std::vector<int32_t> free_lines = unnamed_lines(batch);
     std::shuffle(free_lines.begin(), free_lines.end(), rng);
     std::vector<kda::CheckpointSeq> ck_seqs;
@@ -861,9 +920,10 @@ TEST_CASE("kda_chunked state checkpoints are bitwise the states of runs cut ther
       worst_ref = std::max(worst_ref, ref_err);
       worst_simple = std::max(worst_simple, simple_err);
     }
-    MESSAGE(ck_lines.size(), " checkpoints: at most ", worst_bits,
+    MESSAGE(ck_lines.size(), " checkpoints (segment_tokens ", cfg.segment_tokens, "): at most ", worst_bits,
             " bits differ from the cut runs' final states; worst relative error vs float64 ", worst_ref,
             ", vs kda_prep_recurrence's checkpoints ", worst_simple);
+    if (cfg.segment_tokens != 0) continue;
 
     // Continuing from checkpoints: sequence 0 after 128 rows, 2 after 256 (with checkpoints of
     // its own every 256 rows of the tail from 128) and 7 after 192, each over its remaining rows
