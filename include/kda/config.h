@@ -56,6 +56,11 @@ struct RuntimeConfig {
   // State checkpoints one batch may name in all (BatchView::checkpoint_lines); 0 turns them off.
   // Each window stages this many entries and the conv checkpoint step's grid has this many blocks.
   int64_t max_checkpoints = 0;          //                                      (runtime.max_checkpoints)
+  // The chunked recurrence may cut a long sequence into segments walked in parallel when few
+  // heads leave SMs idle (docs/design.md, "Segments"). The rounding then depends on the cut, so
+  // a run continued from a checkpoint is within tolerance of the uninterrupted run, not
+  // bitwise; false keeps every sequence whole.   (runtime.sequence_parallel)
+  bool sequence_parallel = true;
 
   int64_t largest_bucket() const { return token_buckets.empty() ? 0 : token_buckets.back(); }
   int64_t batch_token_capacity() const {

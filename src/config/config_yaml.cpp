@@ -273,7 +273,7 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
   const auto e = r.section(section.value, section.path, section.line,
                            {"token_buckets", "max_seqs", "max_batch_tokens", "capture", "graphs",
                             "layer_steps", "recurrence", "num_layers", "gemm_workspace_mib",
-                            "max_checkpoints"});
+                            "max_checkpoints", "sequence_parallel"});
   const Entry& buckets = r.require(e, "token_buckets", section.path, section.line);
   if (!buckets.value.IsSequence())
     r.fail(buckets.line, buckets.path,
@@ -297,6 +297,7 @@ void read_runtime(Reader& r, const Entry& section, RuntimeConfig& runtime) {
     runtime.layer_steps = r.choice(*v, "full", LayerSteps::Full, "conv", LayerSteps::InProjConv);
   if (const Entry* v = r.find(e, "num_layers")) runtime.num_layers = r.integer(*v);
   if (const Entry* v = r.find(e, "max_checkpoints")) runtime.max_checkpoints = r.integer(*v);
+  if (const Entry* v = r.find(e, "sequence_parallel")) runtime.sequence_parallel = r.boolean(*v);
   if (const Entry* v = r.find(e, "gemm_workspace_mib")) {
     constexpr int64_t kMiB = int64_t{1} << 20;
     const int64_t mib = r.integer(*v);

@@ -112,6 +112,18 @@ ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx) {
   return a;
 }
 
+// The chunked recurrence's segment length for every bucket and window of `config`: the op's
+// choice for the largest bucket, so a sequence is cut alike whichever bucket or window runs it
+// and the same batch gives the same bits in any bucket (docs/design.md, "Segments"); 0 (whole
+// sequences) when runtime.sequence_parallel is off.
+namespace {
+int64_t segment_tokens_of(const Config& config) {
+  return config.runtime.sequence_parallel
+             ? kda_chunked_auto_segment_tokens(config.runtime.largest_bucket(), config.model.num_heads)
+             : 0;
+}
+}  // namespace
+
 PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   const StepContext& ctx = in.ctx;
   const ModelConfig& m = model_of(ctx, "kda::detail::recurrence_args_for_step");
@@ -145,6 +157,7 @@ PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   a.state_stride_v = ctx.recurrent_strides.v;
   a.o = in.o;
   a.o_row_stride = m.part_dim();
+  a.segment_tokens = segment_tokens_of(*ctx.config);
   if (ctx.checkpoint_seqs && ctx.checkpoint_entries) {
     a.checkpoint_seqs = reinterpret_cast<const CheckpointSeq*>(ctx.checkpoint_seqs);
     a.checkpoint_entries = reinterpret_cast<const CheckpointEntry*>(ctx.checkpoint_entries);
@@ -209,6 +222,7 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
     a.head_dim = m.head_dim;
     a.num_tokens = B;
     a.max_seqs = config.runtime.max_seqs;
+    a.segment_tokens = segment_tokens_of(config);
     chunked_workspace_ = DeviceBuffer(kda_chunked_workspace_bytes(a), "chunked recurrence workspace");
   }
   // Zeroed so that no buffer ever holds uninitialised bits (the in_proj output's pad columns

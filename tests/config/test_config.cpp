@@ -170,6 +170,7 @@ TEST_CASE("absent optional keys take the defaults of config.h") {
   CHECK(c.runtime.num_layers == 1);
   CHECK(c.runtime.gemm_workspace_bytes == 32ll << 20);
   CHECK(c.runtime.max_checkpoints == 0);
+  CHECK(c.runtime.sequence_parallel);
   CHECK(c.pools.null_line == 0);
 }
 
@@ -204,6 +205,11 @@ TEST_CASE("values are read with their YAML types") {
                          doctest::Contains("x.yaml:5: runtime.max_checkpoints: -1 is outside [0, 65536]; "
                                            "state checkpoints per batch (0: none)"),
                          kda::Error);
+  }
+  SUBCASE("sequence_parallel switch") {
+    CHECK_FALSE(kda::parse_config(minimal_with("runtime", "sequence_parallel: false")).runtime.sequence_parallel);
+    CHECK_THROWS_WITH_AS(kda::parse_config(minimal_with("runtime", "sequence_parallel: sometimes"), "x.yaml"),
+                         doctest::Contains("x.yaml:5: runtime.sequence_parallel:"), kda::Error);
   }
   SUBCASE("graphs switch") {
     CHECK_FALSE(kda::parse_config(minimal_with("runtime", "graphs: false")).runtime.use_graphs);
