@@ -3,7 +3,9 @@
 // op's two phases alone (KdaChunkedPhases::PrepOnly, then StateOnly on the records the
 // PrepOnly launches wrote), on the shapes of docs/perf.md's KDA core table.
 //
-//   bench_kda_core [--quick] [--reps N] [--out FILE]
+//   bench_kda_core [--quick] [--case TEXT] [--reps N] [--out FILE]
+//
+// --case keeps the cases whose name contains TEXT (e.g. "H 4,").
 //
 // GPU time per launch from CUDA events, median of N (default 30, at least 20) launches after
 // warm-up. Reports the tensor-core work the chunked kernels issue (mma.sync m16n8k16 count x
@@ -174,7 +176,7 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
 int main(int argc, char** argv) {
   bool quick = false;
   int reps = 30;
-  std::string out_path;
+  std::string out_path, only;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -182,8 +184,10 @@ int main(int argc, char** argv) {
       reps = std::max(20, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
       out_path = argv[++i];
+    } else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) {
+      only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--reps N (>= 20)] [--out FILE]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--case TEXT] [--reps N (>= 20)] [--out FILE]\n", argv[0]);
       return 1;
     }
   }
@@ -197,6 +201,10 @@ int main(int argc, char** argv) {
     cases.push_back({"H 32, 1 x 16384", 32, {16384}});
     cases.push_back({"H 4, 1 x 65536", 4, {65536}});
   }
+  if (!only.empty())
+    cases.erase(std::remove_if(cases.begin(), cases.end(),
+                               [&](const Case& c) { return c.name.find(only) == std::string::npos; }),
+                cases.end());
   try {
     cudaStream_t stream = nullptr;
     BENCH_CUDA(cudaStreamCreate(&stream));
