@@ -7,7 +7,8 @@
 // stays for other requests), and B's last L - S rows run from it with has_initial_state.
 // The continued run sees B's suffix rows at other row offsets and in a smaller bucket than the
 // full one; docs/design.md ("State checkpoints") says why its results are still bitwise those
-// of the full run.
+// of the full run with fp32 recurrent pools and whole sequences, and within tolerance with bf16
+// pools or sequences cut into segments (runtime.sequence_parallel).
 #include "prefix_sharing.h"
 
 #include <cuda_runtime_api.h>

@@ -744,11 +744,10 @@ TEST_CASE("kda_chunked stays accurate over long sequences and many short ones") 
     const Problem::Result got = pr.result();
     const Worst vs_ref = check_reference(pr, got, ref);
     const Worst vs_simple = check_simple(pr, got, simple);
+    const int64_t seg = kda::kda_chunked_auto_segment_tokens(pr.bucket, cs.heads);
     const std::string name = std::to_string(cs.lengths.size()) + " x " + std::to_string(cs.lengths[0]) +
-                             (kda::kda_chunked_workspace_bytes(pr.args()) >
-                                      static_cast<size_t>(pr.bucket / 64 + batch.max_seqs) * cs.heads * 90624
-                                  ? " (cut into segments)"
-                                  : " (whole)");
+                             (seg > 0 && seg < cs.lengths[0] ? ", cut into segments of " + std::to_string(seg)
+                                                             : ", whole");
     MESSAGE(describe(name.c_str(), cs.heads, cs.bound, contiguous(cs.heads), vs_ref, vs_simple));
   }
 }
