@@ -1548,10 +1548,10 @@ KDA_UNROLL
                      st_n.addr + S::kKb, lane);
 
     // st is now the state after the first `end` rows. A checkpoint there gets these very
-    // registers, as the final store below does: a run cut at `end` has the same chunks and
-    // the same segments up to here (both are relative to the sequence's first row, and the
-    // segment length depends on capacities only; checkpoint ends are chunk ends or its last
-    // row), so it stores bitwise the same line (rounded alike when the pool is bf16).
+    // registers, as the final store below does: a run cut at `end` with the same segment
+    // length has the same chunks and the same segments up to here (both are relative to the
+    // sequence's first row; checkpoint ends are chunk ends or its last row), so it stores
+    // bitwise the same line (rounded alike when the pool is bf16).
     const int64_t end = std::min((bw.c0 + i + 1) * kChunk, rows);
     const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
     if (ck >= 0) store_state(st, p, state_head_at(p, ck, head), v0, g, t);
