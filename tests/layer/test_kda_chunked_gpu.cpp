@@ -536,6 +536,24 @@ std::vector<int64_t> processed_lines(const Batch& batch) {
   return out;
 }
 
+// Both kernels on pr's batch: kda_chunked against the float64 reference and against
+// kda_prep_recurrence (printed as `what`), then kda_chunked again from the same starting pool,
+// which must repeat bit for bit (blocks of a launch may run in another order).
+void check_chunked_repeats(Problem& pr, const std::string& what) {
+  pr.run_simple();
+  const Problem::Result simple = pr.result();
+  const Problem::Reference ref = pr.reference();
+  pr.run_chunked();
+  const Problem::Result got = pr.result();
+  const Worst vs_ref = check_reference(pr, got, ref);
+  const Worst vs_simple = check_simple(pr, got, simple);
+  MESSAGE(describe(what.c_str(), pr.heads, pr.lower_bound, pr.layout, vs_ref, vs_simple));
+  pr.run_chunked();
+  const Problem::Result again = pr.result();
+  CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
+  CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+}
+
 }  // namespace
 
 TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kernel on varlen batches") {
@@ -553,19 +571,7 @@ TEST_CASE("kda_chunked matches the float64 reference and the token-by-token kern
         Batch batch(varlen(lengths, /*flip=*/transposed), /*padding=*/3,
                     /*pool_lines=*/static_cast<int64_t>(lengths.size()) + 6, rng);
         Problem pr(heads, bound, layout, batch, rng, /*padded=*/transposed, /*centred_keys=*/transposed);
-        pr.run_simple();
-        const Problem::Result simple = pr.result();
-        const Problem::Reference ref = pr.reference();
-        pr.run_chunked();
-        const Problem::Result got = pr.result();
-        const Worst vs_ref = check_reference(pr, got, ref);
-        const Worst vs_simple = check_simple(pr, got, simple);
-        MESSAGE(describe("varlen", heads, bound, layout, vs_ref, vs_simple));
-
-        pr.run_chunked();  // from the same starting pool: bitwise the same
-        const Problem::Result again = pr.result();
-        CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
-        CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+        check_chunked_repeats(pr, "varlen");
       }
     }
   }
@@ -590,19 +596,7 @@ TEST_CASE("kda_chunked with sequences cut into segments matches the float64 refe
       Problem pr(heads, transposed ? std::optional<double>(-5.0) : std::nullopt, layout, batch, rng,
                  /*padded=*/transposed, /*centred_keys=*/!transposed);
       pr.set_segment_tokens(seg);
-      pr.run_simple();
-      const Problem::Result simple = pr.result();
-      const Problem::Reference ref = pr.reference();
-      pr.run_chunked();
-      const Problem::Result got = pr.result();
-      const Worst vs_ref = check_reference(pr, got, ref);
-      const Worst vs_simple = check_simple(pr, got, simple);
-      MESSAGE(describe(("segments of " + std::to_string(seg)).c_str(), heads, pr.lower_bound, layout, vs_ref,
-                       vs_simple));
-      pr.run_chunked();  // blocks of a pass in another order, the same bits
-      const Problem::Result again = pr.result();
-      CHECK(kda::test::diff_bits(got.o.data(), again.o.data(), got.o.size() * 2) == 0);
-      CHECK(kda::test::diff_bits(got.pool.data(), again.pool.data(), got.pool.size() * 4) == 0);
+      check_chunked_repeats(pr, "segments of " + std::to_string(seg));
     }
   }
 }
