@@ -3,7 +3,6 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -703,7 +702,8 @@ TEST_CASE("a staged slot's bytes depend only on the batch") {
   }
 }
 
-TEST_CASE("validate, plan and stage of 256 sequences and 16384 tokens take a few microseconds") {
+// Their host time is measured by bench/bench_host.cpp, not here.
+TEST_CASE("256 sequences on random lines stage into one window at 16384 tokens and four at 65536") {
   const Config config = serving_config();
   const StagingLayout layout = StagingLayout::for_max_seqs(config.runtime.max_seqs);
   const auto slots = static_cast<std::size_t>(kda::detail::max_windows(config));
@@ -713,15 +713,6 @@ TEST_CASE("validate, plan and stage of 256 sequences and 16384 tokens take a few
   std::vector<unsigned char> staging(slots * layout.slot_bytes);
 
   std::mt19937 rng(7);
-  auto timed = [&](const Batch& b, int iterations) {
-    stage_forward(validator, b.view(), config, layout, windows, staging);  // warm caches
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int it = 0; it < iterations; ++it) {
-      stage_forward(validator, b.view(), config, layout, windows, staging);
-    }
-    const auto t1 = std::chrono::steady_clock::now();
-    return std::chrono::duration<double, std::micro>(t1 - t0).count() / iterations;
-  };
   // Distinct lines drawn from the whole pool, so the duplicate table is hit at random.
   std::vector<int32_t> lines(512);
   for (int i = 0; i < 512; ++i) lines[static_cast<std::size_t>(i)] = i + 1;
@@ -734,11 +725,10 @@ TEST_CASE("validate, plan and stage of 256 sequences and 16384 tokens take a few
   for (int s = 0; s < 256; ++s) four_windows.add(256, lines[static_cast<std::size_t>(s)], s % 2 == 0);
   REQUIRE(four_windows.qsl.back() == 65536);
 
-  const double us_one = timed(one_window, 20000);
-  REQUIRE(windows.size() == 1);
-  const double us_four = timed(four_windows, 5000);
-  REQUIRE(windows.size() == 4);
-  MESSAGE("validate + plan + fill, 256 sequences: ", us_one, " us for 16384 tokens (1 window), ",
-          us_four, " us for 65536 tokens (4 windows)");
-  WARN(us_one < 5.0);
+  for (int repeat = 0; repeat < 3; ++repeat) {  // the validator's stamps are reused across calls
+    stage_forward(validator, one_window.view(), config, layout, windows, staging);
+    CHECK(windows.size() == 1);
+    stage_forward(validator, four_windows.view(), config, layout, windows, staging);
+    CHECK(windows.size() == 4);
+  }
 }

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -398,27 +397,20 @@ TEST_CASE("the thinned candidate grid stays within 1/512 of the exact share") {
   }
 }
 
-TEST_CASE("a hundred thousand distinct sizes and 64 graphs are proposed well under a second") {
+// Its time is measured by bench/bench_host.cpp, not here.
+TEST_CASE("a hundred thousand distinct sizes and 64 graphs give ladders within the limits") {
   std::mt19937 rng(1);
   TokenHistogram h;
   for (int64_t size = 1; size <= 100000; ++size)
     h.counts.emplace_back(size * 10, std::uniform_int_distribution<int64_t>(1, 1000)(rng));
   LadderLimits limits;
-  const auto t0 = std::chrono::steady_clock::now();
   const Ladder ladder = propose_buckets(h, 64, limits);
-  const auto t1 = std::chrono::steady_clock::now();
   check_within_limits(ladder, 64, limits, largest_batch(h));
   CHECK(ladder.size() == 64);
   // With windows and a smaller allowed top, up to 32 tops are tried.
   limits.min_largest = 65536;
   const Ladder windowed = propose_buckets(h, 64, limits);
-  const auto t2 = std::chrono::steady_clock::now();
   check_within_limits(windowed, 64, limits, largest_batch(h));
-  const double s_one = std::chrono::duration<double>(t1 - t0).count();
-  const double s_tops = std::chrono::duration<double>(t2 - t1).count();
-  MESSAGE("100000 sizes, 64 graphs: ", s_one, " s for one top, ", s_tops, " s for 32 tops");
-  WARN(s_one < 0.5);
-  WARN(s_tops < 5.0);
 }
 
 TEST_CASE("bad graph counts and limits are refused with the reason") {

@@ -4,7 +4,6 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -450,7 +449,8 @@ TEST_CASE("the padding slot names no sequence line and no checkpoint line") {
   CHECK(plain.slot_bytes == StagingLayout::for_max_seqs(off.runtime.max_seqs).slot_bytes);
 }
 
-TEST_CASE("validate, plan and stage with 256 checkpoints stay a few microseconds") {
+// Their host time is measured by bench/bench_host.cpp, not here.
+TEST_CASE("64 sequences with 256 checkpoints stage into four windows, again and again") {
   Config config = make_config({512, 1024, 2048, 4096, 8192, 16384}, 65536, 256, 1024, 256);
   const StagingLayout layout = StagingLayout::for_config(config);
   const auto slots = static_cast<std::size_t>(kda::detail::max_windows(config));
@@ -466,12 +466,8 @@ TEST_CASE("validate, plan and stage with 256 checkpoints stay a few microseconds
     b.add(1024, s + 1, 256, lines);
   }
   REQUIRE(b.qsl.back() == 65536);
-  stage_forward(validator, b.view(), config, layout, windows, staging);
-  const int iterations = 5000;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int it = 0; it < iterations; ++it) stage_forward(validator, b.view(), config, layout, windows, staging);
-  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iterations;
-  REQUIRE(windows.size() == 4);
-  MESSAGE("validate + plan + fill, 64 sequences, 256 checkpoints, 4 windows: ", us, " us");
-  WARN(us < 10.0);
+  for (int repeat = 0; repeat < 3; ++repeat) {  // the validator's stamps are reused across calls
+    stage_forward(validator, b.view(), config, layout, windows, staging);
+    CHECK(windows.size() == 4);
+  }
 }
