@@ -76,6 +76,8 @@ class GraphCache {
   void launch(Entry* entry, cudaStream_t stream);
 
   std::size_t size() const { return entries_.size(); }
+  // Destroys every graph (an in-flight replay still completes).
+  void clear() { entries_.clear(); }
 
   // Whether capture() may refresh a stale graph with cudaGraphExecUpdate (default true). Graphs
   // holding NCCL work must be instantiated anew instead: NCCL does not support updates of its

@@ -18,6 +18,22 @@
 // streams at the same time. The caller may write hidden_states() and read output(), the planes
 // and the pools from any stream once it has ordered that access after the module's work.
 //
+// After an error: every throw is a kda::Error, and the module is then either exactly as before
+// the call or refuses to run until the caller acts. A refused argument, config, batch, pool or
+// weight changes nothing. begin_forward drops the previous batch before it validates the new
+// one: after it throws, no batch is staged and run_layer throws until a begin_forward succeeds.
+// A batch runs at most once per layer: a second run_layer of a layer throws and writes nothing.
+// A run_layer that fails once work is enqueued (a step that throws, a failed graph capture
+// after the window ran eagerly, a CUDA error) marks the batch failed: its error says which
+// layers and windows (batch rows) were written, those sequences' state lines have advanced
+// (drop them or restore them), and every later run_layer of the batch throws until the next
+// begin_forward. A change of the step list (add_step, set_communicator, set_partial_output,
+// allowed until a begin_forward has staged a batch) drops every graph recorded before it, so
+// a failed eager capture never leaves graphs of an older step list. Every member function
+// works on the module's device (the one current at construction) whatever device is current
+// on the calling thread, and gives the caller's device back; a stream of another device is
+// refused, naming both.
+//
 // Graphs: the (bucket, layer, window) graph records the layer's weight pointers and the step
 // list. runtime.capture: lazy records a graph the first time a batch needs it, after running
 // that window eagerly (the batch's work, which also loads every kernel). runtime.capture: eager
@@ -241,8 +257,9 @@ class PrefillModule {
   void init_random_weights(uint64_t seed);
   const LayerWeights& layer_weights(int layer) const;
 
-  // Appends a step after the built-in ones. Only before the first forward (graphs record the
-  // step list); throws afterwards.
+  // Appends a step after the built-in ones. Only until a begin_forward has staged a batch
+  // (graphs record the step list); throws afterwards. Drops every graph recorded so far. A step
+  // that throws is reported as a kda::Error naming it ("user step 0 threw: ...").
   void add_step(Step step);
 
   // Tensor parallelism (config.tensor_parallel). A rank's module holds its own heads
@@ -276,12 +293,17 @@ class PrefillModule {
   void set_communicator(ncclComm_t comm);
   void set_partial_output(bool partial);
 
-  // Validates the batch on the host (throws and changes nothing on error), picks the bucket or
+  // Validates the batch on the host (throws, writing nothing, on error), picks the bucket or
   // splits it into windows of the largest bucket, stages all metadata with one async copy.
+  // The previous batch is dropped first: after a throw no batch is staged.
   void begin_forward(const BatchView& batch, Stream stream);
   // Runs one layer over the batch of the last begin_forward: replays (capturing on first use)
   // the graph of each window's bucket, or launches the steps eagerly when graphs are off.
-  // Throws for a layer out of range or without weights, and before any begin_forward.
+  // Throws, writing nothing, for a layer out of range or without weights or pools, when no
+  // batch is staged (none yet, or the last begin_forward failed), when this layer has run the
+  // batch already, and after a failed run_layer of the batch. A failure once work is enqueued
+  // marks the batch failed and names the layers and windows written (the paragraph "After an
+  // error" at the top).
   void run_layer(int layer, Stream stream);
   // begin_forward, then run_layer for every layer in order. Checks first that every layer has
   // weights, so a failure changes nothing.
@@ -305,6 +327,9 @@ class PrefillModule {
   // and returns each step's GPU time. Advances the pools like a run of that layer. Synchronises
   // the stream.
   std::vector<StepTiming> profile_steps(const BatchView& batch, int layer, Stream stream);
+
+  // (self_check runs every layer of its batch and profile_steps the layer it times: run_layer
+  // refuses those layers of that batch afterwards.)
 
   // Synchronises the stream to read replay timings.
   ModuleStats stats(Stream stream) const;

@@ -28,8 +28,10 @@ int64_t diff_bytes_bits(const std::vector<unsigned char>& a, const std::vector<u
 std::vector<StepTiming> PrefillModule::profile_steps(const BatchView& batch, int layer, Stream stream) {
   constexpr const char* fn = "kda::PrefillModule::profile_steps";
   Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
   m.check_layer_ready(layer, fn);
   begin_forward(batch, stream);
+  m.ledger.layer_started(layer);  // the batch runs this layer here: run_layer(layer) refuses it after
   using Run = std::function<void(const detail::StepInputs&, Stream)>;
   std::vector<StepTiming> out;
   std::vector<Run> steps;
@@ -47,6 +49,7 @@ std::vector<StepTiming> PrefillModule::profile_steps(const BatchView& batch, int
       steps[i](in, stream);
       KDA_CUDA_CHECK(fn, cudaEventRecord(events[i + 1].get(), stream));
     }
+    m.ledger.window_ran(layer, w);
     KDA_CUDA_CHECK(fn, cudaEventSynchronize(events[n].get()));
     for (std::size_t i = 0; i < n; ++i) out[i].gpu_us += events[i + 1].elapsed_ms_since(events[i]) * 1e3;
   }
@@ -57,8 +60,10 @@ std::vector<StepTiming> PrefillModule::profile_steps(const BatchView& batch, int
 SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream) {
   constexpr const char* fn = "kda::PrefillModule::self_check";
   Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
   for (int l = 0; l < m.num_layers; ++l) m.check_layer_ready(l, fn);
   begin_forward(batch, stream);  // validates first: a bad batch throws here, changing nothing
+  m.ledger.all_ran();            // the check runs every layer: run_layer refuses this batch after
 
   const int64_t T = batch.num_tokens();
   const std::size_t plane_bytes = static_cast<std::size_t>(T * m.program.P) * 2;  // real rows of one plane

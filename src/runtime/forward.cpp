@@ -20,6 +20,7 @@ double us_since(Clock::time_point t0) {
 
 void PrefillModule::Impl::stage(const BatchView& batch, Stream stream) {
   constexpr const char* fn = "kda::PrefillModule::begin_forward";
+  ledger.begin();  // the previous batch is gone, whether this one stages or not
   check_tp_ready(fn);
   validator.validate(batch);  // throws, changing nothing, on bad input
   detail::plan_windows(batch, config, next_windows);
@@ -41,7 +42,7 @@ void PrefillModule::Impl::stage(const BatchView& batch, Stream stream) {
     staging_next = (h + 1) % kHostStagingSlots;
   }
   windows.swap(next_windows);
-  batch_staged = true;
+  ledger.staged(windows);
   forward_started = true;
 }
 
@@ -52,6 +53,7 @@ void PrefillModule::Impl::run_window(int layer, int window, Mode mode, Stream st
   if (!replay) {
     run_steps(in, stream);
     ++eager_runs;
+    ledger.window_ran(layer, window);
     return;
   }
   const detail::GraphKey key{win.bucket, layer, window};
@@ -64,12 +66,14 @@ void PrefillModule::Impl::run_window(int layer, int window, Mode mode, Stream st
       // cuBLASLt module before the capture, which then only records.
       run_steps(in, stream);
       ++eager_runs;
+      ledger.window_ran(layer, window);  // written, even if the capture below fails
       graphs.capture(key, version, record);
       return;
     }
     graph = graphs.capture(key, version, record);
   }
   graphs.launch(graph, stream);
+  ledger.window_ran(layer, window);
 }
 
 // runtime.capture: eager. Records the (bucket, layer, window 0) graph of every layer that has
@@ -102,19 +106,39 @@ void PrefillModule::Impl::capture_eager_graphs(Stream stream) {
 }
 
 void PrefillModule::begin_forward(const BatchView& batch, Stream stream) {
+  constexpr const char* fn = "kda::PrefillModule::begin_forward";
   const auto t0 = Clock::now();
-  impl_->stage(batch, stream);
-  ++impl_->forwards;
-  impl_->begin_us_total += us_since(t0);
+  Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
+  try {
+    m.check_stream(stream, fn);
+    m.stage(batch, stream);
+  } catch (const std::exception& e) {
+    m.ledger.begin_failed(e.what());
+    throw;
+  }
+  ++m.forwards;
+  m.begin_us_total += us_since(t0);
 }
 
 void PrefillModule::run_layer(int layer, Stream stream) {
   constexpr const char* fn = "kda::PrefillModule::run_layer";
   const auto t0 = Clock::now();
   Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
+  // Refusals before anything is enqueued leave the batch as it was.
   m.check_layer_ready(layer, fn);
-  KDA_CHECK(m.batch_staged, fn, "no batch: call begin_forward before run_layer");
-  for (int w = 0; w < static_cast<int>(m.windows.size()); ++w) m.run_window(layer, w, Impl::Mode::Auto, stream);
+  m.ledger.check_can_run(layer, fn);
+  m.check_stream(stream, fn);
+  m.ledger.layer_started(layer);
+  for (int w = 0; w < static_cast<int>(m.windows.size()); ++w) {
+    try {
+      m.run_window(layer, w, Impl::Mode::Auto, stream);
+    } catch (const std::exception& e) {
+      const std::string written = m.ledger.failed(layer, w, e.what());
+      KDA_FAIL(fn, "layer ", layer, " window ", w, " failed: ", e.what(), "; ", written);
+    }
+  }
   ++m.layer_calls;
   m.layer_us_total += us_since(t0);
 }

@@ -268,6 +268,19 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
   }
 }
 
+std::vector<LayerProgram::NamedBuffer> LayerProgram::buffers() const {
+  return {{"hidden_states()", &hidden},
+          {"output()", &output},
+          {"the in_proj output", &in_proj_out},
+          {"the conv planes", &planes},
+          {"the g1 scratch", &g1_},
+          {"the g2 scratch", &g2_},
+          {"the recurrence output scratch", &o_},
+          {"the gated RMSNorm output scratch", &y_},
+          {"the cuBLASLt workspace", &gemm_workspace_},
+          {"the chunked recurrence workspace", &chunked_workspace_}};
+}
+
 StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const char* slot, const StagingLayout& staging,
                                 const LayerWeights* weights, void* conv_pool, const ConvStateStrides& conv_strides,
                                 void* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const {

@@ -91,6 +91,13 @@ class LayerProgram {
   // rows of plane 2 reach.
   DeviceBuffer hidden, output, in_proj_out, planes;
 
+  // Every device buffer the program owns, named (external pools must not overlap any of them).
+  struct NamedBuffer {
+    const char* name;
+    const DeviceBuffer* buffer;
+  };
+  std::vector<NamedBuffer> buffers() const;
+
   // The inputs of window `window`'s steps for `layer` at `bucket` rows, with the window's staging
   // slot (StagingLayout), the layer's weights and pools.
   StepInputs inputs(int layer, int window, int64_t bucket, const char* staging_slot, const StagingLayout& staging,

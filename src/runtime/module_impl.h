@@ -12,11 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "common/device_guard.h"
 #include "common/device_memory.h"
 #include "graph_cache.h"
 #include "kda/prefill.h"
 #include "runtime/batch_plan.h"
+#include "runtime/forward_ledger.h"
 #include "runtime/layer_program.h"
+#include "runtime/state_pools.h"
 
 namespace kda {
 
@@ -30,7 +33,8 @@ struct PrefillModule::Impl {
 
   // Fixed at construction.
   const Config config;
-  int device = 0;  // the CUDA device everything is allocated on
+  int device = 0;  // the CUDA device everything is allocated on; every member function makes it
+                   // current (DeviceGuard) and gives the caller's device back
   int num_layers = 0;
   detail::LayerProgram program;
   detail::StagingLayout staging;
@@ -71,16 +75,18 @@ struct PrefillModule::Impl {
   detail::DeviceBuffer random_storage;                 // init_random_weights
 
   // Steps after the built-in ones. Tensor parallelism: the server's communicator (not owned)
-  // and the partial-output switch. All three are fixed from the first forward on, so every
-  // recorded graph and eager run has the same step list.
+  // and the partial-output switch. All three are fixed from the first staged forward on, so
+  // every recorded graph and eager run has the same step list; a change before then (after a
+  // begin_forward whose eager capture failed, say) drops every graph recorded so far.
   std::vector<Step> user_steps;
   ncclComm_t comm = nullptr;
   bool partial_output = false;
 
-  // The forward in flight.
+  // The forward in flight: its windows, and what of it has run (the ledger refuses a second
+  // run of a layer and any run after a failure).
   std::vector<detail::WindowPlan> windows, next_windows;
-  bool batch_staged = false;
-  bool forward_started = false;
+  detail::ForwardLedger ledger;
+  bool forward_started = false;  // a begin_forward has staged a batch: the step list is fixed
   bool eager = false;
   bool kernels_warm = false;          // the eager-capture warm-up has run
   bool eager_graphs_current = false;  // every window-0 graph of every layer with weights is recorded
@@ -96,6 +102,11 @@ struct PrefillModule::Impl {
   void check_layer(int layer, const char* fn) const;
   void check_layer_ready(int layer, const char* fn) const;
   void check_tp_ready(const char* fn) const;
+  // Throws naming both devices when `stream` belongs to another device than the module's (the
+  // legacy default stream is the current device's, which a DeviceGuard has made the module's).
+  void check_stream(Stream stream, const char* fn) const;
+  // The step list changed: no recorded graph holds it any more.
+  void drop_graphs();
 
   // The inputs of (layer, window) at `bucket` rows, reading the window's device staging slot.
   detail::StepInputs inputs(int layer, int window, int64_t bucket) const;
@@ -103,6 +114,8 @@ struct PrefillModule::Impl {
   // then user steps; run(inputs, stream) enqueues the step.
   template <typename F>
   void for_each_step(F&& f) const;
+  // Enqueues every step; a step that throws something other than kda::Error (a user step) has
+  // it turned into a kda::Error naming the step.
   void run_steps(const detail::StepInputs& in, Stream stream) const;
   void all_reduce(const detail::StepInputs& in, Stream stream) const;
 
@@ -114,6 +127,11 @@ struct PrefillModule::Impl {
   // weights.cpp
   void set_weights(int layer, const LayerWeights& w, const char* fn);
   void set_pools(int layer, const StatePools& p, const char* fn);
+  // The lines pools `p` (strides resolved) of `layer` hold: conv, then recurrent.
+  std::vector<detail::LineSpan> pool_spans(int layer, const StatePools& p) const;
+  // Throws naming both ranges when p's pools share a byte with each other, with another
+  // layer's pools or with a module buffer.
+  void check_pools_overlap_nothing(int layer, const StatePools& p, const char* fn) const;
   // Throws naming the first step whose can_implement check refuses the layer's weights and
   // pools at some bucket.
   void check_steps_can_run(int layer, const char* what, const char* fn) const;

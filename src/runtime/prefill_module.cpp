@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <exception>
 #include <utility>
 
 #include "common/check.h"
@@ -16,7 +17,8 @@ PrefillModule::Impl::Impl(const Config& cfg)
       num_layers(static_cast<int>(cfg.runtime.num_layers)),
       program(config),
       staging(detail::StagingLayout::for_config(cfg)),
-      validator(cfg) {
+      validator(cfg),
+      ledger(static_cast<int>(cfg.runtime.num_layers)) {
   constexpr const char* fn = "kda::PrefillModule::PrefillModule";
   KDA_CUDA_CHECK(fn, cudaGetDevice(&device));
   pools.assign(num_layers, StatePools{});
@@ -56,7 +58,8 @@ PrefillModule::Impl::Impl(const Config& cfg)
 
 PrefillModule::Impl::~Impl() {
   // Work enqueued on the caller's stream may still read these buffers; the module does not
-  // know that stream, so wait for the device before freeing.
+  // know that stream, so wait for the device before freeing. ~PrefillModule has made the
+  // module's device current.
   cudaDeviceSynchronize();
 }
 
@@ -107,8 +110,31 @@ detail::StepInputs PrefillModule::Impl::inputs(int layer, int window, int64_t bu
                         conv_strides(layer), pools[layer].recurrent, recurrent_strides(layer));
 }
 
+void PrefillModule::Impl::check_stream(Stream stream, const char* fn) const {
+  int stream_device = 0;
+  KDA_CUDA_CHECK(fn, cudaStreamGetDevice(stream, &stream_device));
+  KDA_CHECK(stream_device == device, fn, "the stream belongs to CUDA device ", stream_device,
+            ", the module to device ", device, " (where it allocated everything): use a stream of device ", device);
+}
+
+void PrefillModule::Impl::drop_graphs() {
+  graphs.clear();
+  eager_graphs_current = false;
+  kernels_warm = false;  // a new step may load modules of its own: warm up before capturing again
+}
+
 void PrefillModule::Impl::run_steps(const detail::StepInputs& in, Stream stream) const {
-  for_each_step([&](const std::string&, const auto& run) { run(in, stream); });
+  for_each_step([&](const std::string& name, const auto& run) {
+    try {
+      run(in, stream);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      KDA_FAIL("kda::PrefillModule", name, " threw: ", e.what());
+    } catch (...) {
+      KDA_FAIL("kda::PrefillModule", name, " threw an exception that is not a std::exception");
+    }
+  });
 }
 
 // With a communicator: the sum of the ranks' outputs, in place over the bucket's rows (every
@@ -122,7 +148,16 @@ void PrefillModule::Impl::all_reduce(const detail::StepInputs& in, Stream stream
 // The config is validated before anything is created on the device.
 PrefillModule::PrefillModule(const Config& config)
     : impl_((validate_config(config), std::make_unique<Impl>(config))) {}
-PrefillModule::~PrefillModule() = default;
+
+PrefillModule::~PrefillModule() {
+  // The module's device stays current while its buffers, graphs and events are destroyed.
+  try {
+    const detail::DeviceGuard on_device(impl_->device, "kda::PrefillModule::~PrefillModule");
+    impl_.reset();
+  } catch (...) {
+    impl_.reset();
+  }
+}
 
 const Config& PrefillModule::config() const { return impl_->config; }
 void* PrefillModule::hidden_states() { return impl_->program.hidden.get(); }
@@ -161,11 +196,13 @@ void PrefillModule::add_step(Step step) {
   KDA_CHECK(!impl_->forward_started, fn,
             "steps must be added before the first forward: graphs record the step list");
   impl_->user_steps.push_back(std::move(step));
+  impl_->drop_graphs();
 }
 
 void PrefillModule::set_communicator(ncclComm_t comm) {
   constexpr const char* fn = "kda::PrefillModule::set_communicator";
   Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
   KDA_CHECK(m.program.full_layer(), fn,
             "runtime.layer_steps is conv: the module writes no layer output, so there is nothing to all-reduce");
   KDA_CHECK(!m.forward_started, fn,
@@ -174,6 +211,7 @@ void PrefillModule::set_communicator(ncclComm_t comm) {
   const detail::CommunicatorShape shape = detail::communicator_shape(comm, fn);
   detail::check_communicator_matches(m.config.tensor_parallel, shape, m.device, fn);
   m.comm = comm;
+  m.drop_graphs();
   // NCCL's captured nodes cannot be updated in place (see GraphCache::set_exec_update).
   m.graphs.set_exec_update(false);
 }
@@ -182,14 +220,18 @@ void PrefillModule::set_partial_output(bool partial) {
   constexpr const char* fn = "kda::PrefillModule::set_partial_output";
   KDA_CHECK(!impl_->forward_started, fn,
             "the partial-output switch must be set before the first forward: graphs record the step list");
+  if (impl_->partial_output != partial) impl_->drop_graphs();
   impl_->partial_output = partial;
 }
 
 void PrefillModule::set_eager(bool eager) { impl_->eager = eager; }
 
 ModuleStats PrefillModule::stats(Stream stream) const {
-  KDA_CUDA_CHECK("kda::PrefillModule::stats", cudaStreamSynchronize(stream));
+  constexpr const char* fn = "kda::PrefillModule::stats";
   const Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
+  m.check_stream(stream, fn);
+  KDA_CUDA_CHECK(fn, cudaStreamSynchronize(stream));
   ModuleStats s;
   for (const detail::GraphStats& g : impl_->graphs.stats()) {
     BucketStats b;

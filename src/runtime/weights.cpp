@@ -12,6 +12,7 @@
 #include "common/cuda_check.h"
 #include "runtime/module_impl.h"
 #include "runtime/random_weights.h"
+#include "runtime/state_pools.h"
 
 namespace kda {
 
@@ -82,6 +83,7 @@ void PrefillModule::Impl::set_pools(int layer, const StatePools& p, const char* 
   KDA_CHECK(resolved.recurrent_line_stride >= config.recurrent_line_elems(), fn, "layer ", layer,
             ": recurrent_line_stride ", p.recurrent_line_stride, " is below a line's ", config.recurrent_line_elems(),
             " elements (H x 128 x 128)");
+  check_pools_overlap_nothing(layer, resolved, fn);
   const StatePools old = pools[layer];
   const bool had = has_pools[layer] != 0;
   pools[layer] = resolved;
@@ -98,17 +100,64 @@ void PrefillModule::Impl::set_pools(int layer, const StatePools& p, const char* 
     bump_version(layer);
 }
 
+std::vector<detail::LineSpan> PrefillModule::Impl::pool_spans(int layer, const StatePools& p) const {
+  const int64_t lines = config.pools.cache_lines;
+  auto span = [&](const char* which, const void* base, int64_t stride, int64_t line_elems, DType dtype) {
+    detail::LineSpan s;
+    s.name = detail::str_cat("layer ", layer, " pools.", which);
+    s.base = reinterpret_cast<uintptr_t>(base);
+    s.stride_bytes = static_cast<uint64_t>(stride) * dtype_size(dtype);
+    s.line_bytes = static_cast<uint64_t>(line_elems) * dtype_size(dtype);
+    s.lines = lines;
+    return s;
+  };
+  return {span("conv", p.conv, p.conv_line_stride, config.conv_line_elems(), config.pools.conv_dtype),
+          span("recurrent", p.recurrent, p.recurrent_line_stride, config.recurrent_line_elems(),
+               config.pools.recurrent_dtype)};
+}
+
+void PrefillModule::Impl::check_pools_overlap_nothing(int layer, const StatePools& p, const char* fn) const {
+  // The lines this layer's pools would have the module write, against each other, against
+  // every other layer's pools and against every buffer the module owns.
+  const std::vector<detail::LineSpan> mine = pool_spans(layer, p);
+  std::vector<detail::LineSpan> others;
+  for (int l = 0; l < num_layers; ++l)
+    if (l != layer && has_pools[l])
+      for (detail::LineSpan& s : pool_spans(l, pools[l])) others.push_back(std::move(s));
+  for (const detail::LayerProgram::NamedBuffer& b : program.buffers())
+    others.push_back(detail::LineSpan::contiguous(detail::str_cat("the module's ", b.name), b.buffer->get(),
+                                                  b.buffer->bytes()));
+  others.push_back(detail::LineSpan::contiguous("the module's metadata staging", staging_dev.get(), staging_dev.bytes()));
+  others.push_back(
+      detail::LineSpan::contiguous("the module's random weights", random_storage.get(), random_storage.bytes()));
+  for (std::size_t l = 0; l < uploaded_weights.size(); ++l)
+    others.push_back(detail::LineSpan::contiguous(detail::str_cat("the module's uploaded weights of layer ", l),
+                                                  uploaded_weights[l].get(), uploaded_weights[l].bytes()));
+  const std::string own = detail::overlap_message(mine[0], mine[1]);
+  KDA_CHECK(own.empty(), fn, own, ": a pool's lines must not share bytes with any other pool or module buffer");
+  for (const detail::LineSpan& m : mine)
+    for (const detail::LineSpan& o : others) {
+      const std::string msg = detail::overlap_message(m, o);
+      KDA_CHECK(msg.empty(), fn, msg, ": a pool's lines must not share bytes with any other pool or module buffer");
+    }
+}
+
 void PrefillModule::set_layer_pools(int layer, const StatePools& pools) {
-  impl_->set_pools(layer, pools, "kda::PrefillModule::set_layer_pools");
+  constexpr const char* fn = "kda::PrefillModule::set_layer_pools";
+  const detail::DeviceGuard on_device(impl_->device, fn);
+  impl_->set_pools(layer, pools, fn);
 }
 
 void PrefillModule::set_layer_weights(int layer, const LayerWeights& weights) {
-  impl_->set_weights(layer, weights, "kda::PrefillModule::set_layer_weights");
+  constexpr const char* fn = "kda::PrefillModule::set_layer_weights";
+  const detail::DeviceGuard on_device(impl_->device, fn);
+  impl_->set_weights(layer, weights, fn);
 }
 
 void PrefillModule::init_random_weights(uint64_t seed) {
   constexpr const char* fn = "kda::PrefillModule::init_random_weights";
   Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
   const std::size_t per_layer = detail::random_layer_weights_bytes(m.config.model);
   if (!m.random_storage.get())
     m.random_storage = detail::DeviceBuffer(per_layer * m.num_layers, "random weights");
@@ -125,6 +174,7 @@ void PrefillModule::init_random_weights(uint64_t seed) {
 void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
   constexpr const char* fn = "kda::PrefillModule::upload_layer_weights";
   Impl& m = *impl_;
+  const detail::DeviceGuard on_device(m.device, fn);
   m.check_layer(layer, fn);
   const ModelConfig& mc = m.config.model;
   const int64_t rows = h.in_proj_rows ? h.in_proj_rows : m.program.in_cols;
