@@ -17,6 +17,7 @@
 #include "common/half_host.h"
 #include "kda/config.h"
 #include "kda/prefill.h"
+#include "recurrence/kda_chunked.h"
 #include "testing/layer_reference.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
@@ -247,6 +248,19 @@ TEST_CASE("the module's layer output and final states match the float64 layer re
       check_layer(c, kda::test::quick_mode() ? std::vector<int32_t>{1, 17, 64, 65} : std::vector<int32_t>{1, 17, 64, 65, 300, 15});
     }
   }
+}
+
+TEST_CASE("sequences the chunked recurrence cuts into segments meet the float64 layer reference") {
+  // Two heads and a 16384-token largest bucket: long sequences are cut (docs/design.md,
+  // "Segments"); a wrong segment start or scan shows in the states of the long sequences.
+  kda::Config c = tiny();
+  c.runtime.token_buckets = {1024, 16384};
+  c.runtime.max_batch_tokens = 16384;
+  const int64_t segment = kda::kda_chunked_auto_segment_tokens(16384, c.model.num_heads);
+  MESSAGE("segment length: ", segment, " tokens");
+  REQUIRE(segment > 0);
+  REQUIRE(segment < 3000);
+  check_layer(c, {9000, 17, 3000, 64, 4000});
 }
 
 TEST_CASE("other pool layouts and external pools meet the float64 layer reference") {

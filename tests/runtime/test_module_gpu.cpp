@@ -24,10 +24,12 @@
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
+#include "recurrence/kda_chunked.h"
 #include "runtime/gemm_plan.h"
 #include "runtime/random_weights.h"
 #include "support/gpu_buffers.h"
 #include "support/external_pools.h"
+#include "support/module_fixture.h"
 #include "support/host_batch.h"
 #include "support/test_data.h"
 
@@ -39,224 +41,7 @@ using kda::test::diff_bits;
 using kda::test::HostBatch;
 using kda::test::make_batch;
 using kda::test::Stream;
-
-
-kda::Config tiny_config() {
-  kda::Config c;
-  c.model.hidden_size = 256;
-  c.model.num_heads = 2;
-  c.runtime.token_buckets = {16, 64, 256};
-  c.runtime.max_seqs = 16;
-  c.runtime.max_batch_tokens = 1024;
-  c.runtime.num_layers = 2;
-  c.pools.cache_lines = 33;
-  c.pools.null_line = 0;
-  return c;
-}
-
-kda::Config big_config() {
-  kda::Config c;
-  c.model.hidden_size = 2304;
-  c.model.num_heads = 4;
-  c.runtime.token_buckets = {512, 2048};
-  c.runtime.max_seqs = 64;
-  c.runtime.max_batch_tokens = 0;
-  c.runtime.num_layers = 2;
-  c.pools.cache_lines = 65;
-  c.pools.null_line = 0;
-  return c;
-}
-
-// `tokens` rows cut into 1..max_seqs sequences (some empty), on distinct random lines, about
-// one in seven on the null line, half of them continuing from their line's state.
-HostBatch random_batch(std::mt19937_64& rng, int64_t tokens, const kda::Config& c) {
-  const int64_t max_n = std::max<int64_t>(1, std::min<int64_t>(c.runtime.max_seqs, tokens));
-  const int64_t n = std::uniform_int_distribution<int64_t>(1, max_n)(rng);
-  std::vector<int32_t> cuts(n - 1);
-  for (auto& x : cuts) x = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, tokens)(rng));
-  std::sort(cuts.begin(), cuts.end());
-  cuts.insert(cuts.begin(), 0);
-  cuts.push_back(static_cast<int32_t>(tokens));
-  std::vector<int32_t> lines;
-  for (int32_t l = 0; l < c.pools.cache_lines; ++l)
-    if (l != c.pools.null_line) lines.push_back(l);
-  std::shuffle(lines.begin(), lines.end(), rng);
-  std::vector<int32_t> lengths, picked;
-  std::vector<bool> initial;
-  for (int64_t s = 0; s < n; ++s) {
-    lengths.push_back(cuts[s + 1] - cuts[s]);
-    picked.push_back(std::uniform_int_distribution<int>(0, 6)(rng) == 0 ? c.pools.null_line : lines[s]);
-    initial.push_back(std::uniform_int_distribution<int>(0, 1)(rng) == 1);
-  }
-  return make_batch(lengths, picked, initial);
-}
-
-std::unique_ptr<PrefillModule> make_module(const kda::Config& c, uint64_t seed, bool eager = false) {
-  auto m = std::make_unique<PrefillModule>(c);
-  m->init_random_weights(seed);
-  m->set_eager(eager);
-  return m;
-}
-
-void fill_hidden(PrefillModule& m, int64_t tokens, uint64_t seed, cudaStream_t s) {
-  kda::detail::fill_uniform_bf16(m.hidden_states(), tokens * m.config().model.hidden_size, seed,
-                                 uint64_t{1} << 40, -1.0f, 1.0f, s);
-}
-
-std::vector<unsigned char> download(const void* p, std::size_t bytes, cudaStream_t s) {
-  std::vector<unsigned char> h(bytes);
-  KDA_TEST_CUDA(cudaStreamSynchronize(s));
-  if (bytes) KDA_TEST_CUDA(cudaMemcpy(h.data(), p, bytes, cudaMemcpyDeviceToHost));
-  return h;
-}
-
-struct Dims {
-  int64_t P, D, cap, H;
-  std::size_t plane_bytes() const { return static_cast<std::size_t>(cap * P) * 2; }
-  std::size_t conv_pool_bytes(int64_t lines) const { return static_cast<std::size_t>(lines * 3 * P * 3) * 4; }
-  std::size_t rec_pool_bytes(int64_t lines) const { return static_cast<std::size_t>(lines * H * 128 * 128) * 4; }
-};
-
-Dims dims(const kda::Config& c) {
-  return {c.model.part_dim(), c.model.hidden_size, c.runtime.batch_token_capacity(), c.model.num_heads};
-}
-
-// All three planes, capacity rows each.
-std::vector<unsigned char> planes_of(const PrefillModule& m, cudaStream_t s) {
-  return download(m.conv_planes(), 3 * dims(m.config()).plane_bytes(), s);
-}
-
-// Differing bits of rows [0, T) of the three planes.
-int64_t plane_rows_diff(const std::vector<unsigned char>& a, const std::vector<unsigned char>& b,
-                        const Dims& d, int64_t T) {
-  int64_t bits = 0;
-  for (int i = 0; i < 3; ++i)
-    bits += diff_bits(a.data() + i * d.plane_bytes(), b.data() + i * d.plane_bytes(),
-                      static_cast<std::size_t>(T * d.P) * 2);
-  return bits;
-}
-
-// Rows written by the conv: those of sequences that are not on the null line.
-std::vector<bool> written_rows(const HostBatch& b, const kda::Config& c) {
-  std::vector<bool> w(static_cast<std::size_t>(c.runtime.batch_token_capacity()), false);
-  for (int64_t s = 0; s < b.num_seqs(); ++s)
-    if (b.lines[s] != c.pools.null_line)
-      for (int32_t r = b.qsl[s]; r < b.qsl[s + 1]; ++r) w[r] = true;
-  return w;
-}
-
-// After a run on planes filled with 0xFF: counts written rows holding a non-finite value and
-// other rows that lost the NaN poison.
-struct PaddingReport {
-  int64_t nonfinite_real = 0;
-  int64_t unpoisoned_pad = 0;
-};
-
-PaddingReport padding_report(const std::vector<unsigned char>& planes, const HostBatch& b,
-                             const kda::Config& c) {
-  const Dims d = dims(c);
-  const std::vector<bool> w = written_rows(b, c);
-  PaddingReport r;
-  for (int i = 0; i < 3; ++i) {
-    for (int64_t row = 0; row < d.cap; ++row) {
-      const unsigned char* p = planes.data() + i * d.plane_bytes() + row * d.P * 2;
-      for (int64_t e = 0; e < d.P; ++e) {
-        uint16_t v;
-        std::memcpy(&v, p + 2 * e, 2);
-        if (w[row]) r.nonfinite_real += (v & 0x7F80u) == 0x7F80u;
-        else r.unpoisoned_pad += v != 0xFFFFu;
-      }
-    }
-  }
-  return r;
-}
-
-std::set<int32_t> named_lines(const HostBatch& b, const kda::Config& c) {
-  std::set<int32_t> s;
-  for (int64_t i = 0; i < b.num_seqs(); ++i)
-    if (b.lines[i] != c.pools.null_line) s.insert(b.lines[i]);
-  return s;
-}
-
-// Lines outside `named` whose bytes changed.
-int64_t changed_unnamed_lines(const std::vector<unsigned char>& before, const std::vector<unsigned char>& after,
-                              std::size_t line_bytes, const std::set<int32_t>& named) {
-  int64_t changed = 0;
-  const std::size_t lines = before.size() / line_bytes;
-  for (std::size_t l = 0; l < lines; ++l) {
-    if (named.count(static_cast<int32_t>(l))) continue;
-    changed += std::memcmp(before.data() + l * line_bytes, after.data() + l * line_bytes, line_bytes) != 0;
-  }
-  return changed;
-}
-
-std::vector<unsigned char> conv_pool(PrefillModule& m, int layer, cudaStream_t s) {
-  return download(m.conv_state_pool(layer), dims(m.config()).conv_pool_bytes(m.config().pools.cache_lines), s);
-}
-
-std::vector<unsigned char> rec_pool(PrefillModule& m, int layer, cudaStream_t s) {
-  return download(m.recurrent_state_pool(layer), dims(m.config()).rec_pool_bytes(m.config().pools.cache_lines), s);
-}
-
-// Planes (rows [0, T)) and all pools of two modules, bitwise.
-// Differing bits between two modules after the same batch: planes (rows [0, T)), conv pools,
-// recurrent pools (with_recurrent) and, for the full layer, the output rows of the sequences
-// that ran. Output rows of skipped sequences are unspecified (the recurrence writes no o row
-// for them, so o_proj reads whatever the scratch held): with `batch` given they are left out,
-// without it every row [0, T) is compared (same history on both sides, e.g. graph vs eager).
-// A non-zero result is broken down by component in a MESSAGE.
-int64_t module_diff_bits(PrefillModule& a, PrefillModule& b, int64_t T, cudaStream_t s,
-                         bool with_recurrent = true, const HostBatch* batch = nullptr) {
-  const Dims d = dims(a.config());
-  std::string parts;
-  int64_t total = 0;
-  auto add = [&](const std::string& what, int64_t bits) {
-    total += bits;
-    if (bits) parts += what + ": " + std::to_string(bits) + " bits; ";
-  };
-  add("planes", plane_rows_diff(planes_of(a, s), planes_of(b, s), d, T));
-  for (int l = 0; l < static_cast<int>(a.config().runtime.num_layers); ++l) {
-    const auto ca = conv_pool(a, l, s), cb = conv_pool(b, l, s);
-    add("conv pool " + std::to_string(l), diff_bits(ca.data(), cb.data(), ca.size()));
-    if (with_recurrent) {
-      const auto ra = rec_pool(a, l, s), rb = rec_pool(b, l, s);
-      add("recurrent pool " + std::to_string(l), diff_bits(ra.data(), rb.data(), ra.size()));
-    }
-  }
-  if (a.config().runtime.layer_steps == kda::LayerSteps::Full) {
-    // The layer output's rows (every layer writes the same output buffer: the last one's).
-    const int64_t D = a.config().model.hidden_size;
-    const std::size_t out_bytes = static_cast<std::size_t>(T * D) * 2;
-    std::vector<unsigned char> oa(out_bytes), ob(out_bytes);
-    KDA_TEST_CUDA(cudaMemcpyAsync(oa.data(), a.output(), out_bytes, cudaMemcpyDeviceToHost, s));
-    KDA_TEST_CUDA(cudaMemcpyAsync(ob.data(), b.output(), out_bytes, cudaMemcpyDeviceToHost, s));
-    KDA_TEST_CUDA(cudaStreamSynchronize(s));
-    const int32_t null_line = a.config().pools.null_line;
-    int64_t bits = 0, first_row = -1;
-    for (int64_t seq = 0; seq < (batch ? batch->num_seqs() : 1); ++seq) {
-      if (batch && batch->lines[seq] == null_line) continue;
-      const int64_t r0 = batch ? batch->qsl[seq] : 0, r1 = batch ? batch->qsl[seq + 1] : T;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t row_bits = diff_bits(oa.data() + r * D * 2, ob.data() + r * D * 2, D * 2);
-        if (row_bits && first_row < 0) first_row = r;
-        bits += row_bits;
-      }
-    }
-    add("output (first differing row " + std::to_string(first_row) + ")", bits);
-  }
-  if (total) MESSAGE("differing bits by component: ", parts);
-  return total;
-}
-
-void poison_planes(PrefillModule& m, cudaStream_t s) {
-  KDA_TEST_CUDA(cudaMemsetAsync(const_cast<void*>(m.conv_planes()), 0xFF, 3 * dims(m.config()).plane_bytes(), s));
-}
-
-int64_t replays_of_bucket(const kda::ModuleStats& st, int64_t bucket) {
-  int64_t n = 0;
-  for (const auto& g : st.graphs) n += g.bucket_tokens == bucket ? g.replays : 0;
-  return n;
-}
+using namespace kda::test;  // the module fixture: configs, batches, modules, comparisons
 
 
 // Two modules with the same weights, one replaying graphs and one eager, fed the same batches.
@@ -269,7 +54,10 @@ void check_replays_match_eager(const kda::Config& cfg, cudaStream_t stream, int 
   std::mt19937_64 rng(1234);
   uint64_t hidden_seed = 100;
 
-  auto run_both = [&](const HostBatch& b, bool check_recurrent) {
+  // Every batch compares everything both modules wrote: planes, output rows [0, T) (same
+  // history on both sides, so skipped sequences' rows too), every pool line; and that padding
+  // rows and lines the batch does not name kept their bytes.
+  auto run_both = [&](const HostBatch& b) {
     const int64_t T = b.tokens();
     CAPTURE(T);
     CAPTURE(b.num_seqs());
@@ -281,29 +69,24 @@ void check_replays_match_eager(const kda::Config& cfg, cudaStream_t stream, int 
     std::vector<std::vector<unsigned char>> conv_before, rec_before;
     for (int l = 0; l < layers; ++l) {
       conv_before.push_back(conv_pool(*g, l, stream));
-      if (check_recurrent) rec_before.push_back(rec_pool(*g, l, stream));
+      rec_before.push_back(rec_pool(*g, l, stream));
     }
     g->run(b.view(), stream);
     e->run(b.view(), stream);
 
-    const auto pg = planes_of(*g, stream), pe = planes_of(*e, stream);
-    CHECK(plane_rows_diff(pg, pe, d, T) == 0);
-    for (const auto* p : {&pg, &pe}) {
-      const PaddingReport r = padding_report(*p, b, cfg);
+    CHECK(module_diff_bits(*g, *e, T, stream) == 0);
+    for (const PrefillModule* m : {g.get(), e.get()}) {
+      const PaddingReport r = padding_report(planes_of(*m, stream), b, cfg);
       CHECK(r.nonfinite_real == 0);
       CHECK(r.unpoisoned_pad == 0);
     }
     const std::set<int32_t> named = named_lines(b, cfg);
     for (int l = 0; l < layers; ++l) {
       CAPTURE(l);
-      const auto cg = conv_pool(*g, l, stream), ce = conv_pool(*e, l, stream);
-      CHECK(diff_bits(cg.data(), ce.data(), cg.size()) == 0);
-      CHECK(changed_unnamed_lines(conv_before[l], cg, static_cast<std::size_t>(3 * d.P * 3) * 4, named) == 0);
-      if (check_recurrent) {
-        const auto rg = rec_pool(*g, l, stream), re = rec_pool(*e, l, stream);
-        CHECK(diff_bits(rg.data(), re.data(), rg.size()) == 0);
-        CHECK(changed_unnamed_lines(rec_before[l], rg, static_cast<std::size_t>(d.H * 128 * 128) * 4, named) == 0);
-      }
+      CHECK(changed_unnamed_lines(conv_before[l], conv_pool(*g, l, stream), static_cast<std::size_t>(3 * d.P * 3) * 4,
+                                  named) == 0);
+      CHECK(changed_unnamed_lines(rec_before[l], rec_pool(*g, l, stream), static_cast<std::size_t>(d.H * 128 * 128) * 4,
+                                  named) == 0);
     }
   };
 
@@ -311,13 +94,13 @@ void check_replays_match_eager(const kda::Config& cfg, cudaStream_t stream, int 
   for (int64_t bucket : cfg.runtime.token_buckets) {
     CAPTURE(bucket);
     // The bucket's first batch records its graphs, after the warm-up eager run.
-    run_both(random_batch(rng, bucket, cfg), true);
+    run_both(random_batch(rng, bucket, cfg));
     const kda::ModuleStats first = g->stats(stream);
     const int64_t replays_before = replays_of_bucket(first, bucket);
     for (int i = 0; i < batches; ++i) {
       CAPTURE(i);
       const int64_t T = std::uniform_int_distribution<int64_t>(previous + 1, bucket)(rng);
-      run_both(random_batch(rng, T, cfg), i + 1 == batches);
+      run_both(random_batch(rng, T, cfg));
     }
     const kda::ModuleStats after = g->stats(stream);
     CHECK(after.graphs.size() == first.graphs.size());
@@ -486,6 +269,57 @@ TEST_CASE("the same batch gives the same planes in every bucket that holds it") 
   CHECK(has_bucket(*modules[2], 256));
 }
 
+// Two heads and a 16384-token largest bucket: the chunked recurrence cuts long sequences into
+// segments walked in parallel and joined by a scan (docs/design.md, "Segments"), with the
+// segment length of the largest bucket in every bucket.
+kda::Config cut_config(std::vector<int64_t> buckets) {
+  kda::Config c = tiny_config();
+  c.runtime.token_buckets = std::move(buckets);
+  c.runtime.max_batch_tokens = 16384;
+  return c;
+}
+
+TEST_CASE("sequences cut into segments: replays equal eager runs, self_check is clean, every bucket gives the same bits") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  const int64_t segment = kda::kda_chunked_auto_segment_tokens(16384, 2);
+  MESSAGE("segment length at 2 heads, largest bucket 16384: ", segment, " tokens");
+  REQUIRE(segment > 0);
+  REQUIRE(segment < 4000);  // every batch below has sequences of several segments
+  auto g = make_module(cut_config({1024, 8192, 16384}), 7);
+  auto e = make_module(cut_config({1024, 8192, 16384}), 7, /*eager=*/true);
+  auto top = make_module(cut_config({16384}), 7);  // every batch in the 16384 bucket
+  const HostBatch batches[] = {
+      make_batch({9000, 17, 3000, 64, 4000}, {1, 2, 3, 4, 5}, {false, false, false, false, false}),  // bucket 16384
+      make_batch({5000, 2000, 100, 900}, {1, 3, 6, 7}, {true, true, false, false}),                  // bucket 8192
+      make_batch({700, 200}, {5, 8}, {true, false}),                                                 // bucket 1024
+  };
+  uint64_t seed = 40;
+  for (const HostBatch& b : batches) {
+    const int64_t T = b.tokens();
+    CAPTURE(T);
+    for (PrefillModule* m : {g.get(), e.get(), top.get()}) fill_hidden(*m, T, seed, s);
+    ++seed;
+    for (int rep = 0; rep < 2; ++rep) {  // the first run records the graphs, the second replays
+      CAPTURE(rep);
+      g->begin_forward(b.view(), s);
+      for (int l = 0; l < 2; ++l) g->run_layer(l, s);
+      if (rep == 0) continue;
+      e->run(b.view(), s);
+      e->run(b.view(), s);
+      top->run(b.view(), s);
+      top->run(b.view(), s);
+      CHECK(module_diff_bits(*g, *e, T, s) == 0);
+      CHECK(module_diff_bits(*g, *top, T, s, true, &b) == 0);
+    }
+  }
+  const HostBatch last = make_batch({6000, 300}, {1, 9}, {true, false});
+  fill_hidden(*g, last.tokens(), seed, s);
+  const kda::SelfCheckReport r = g->self_check(last.view(), s);
+  MESSAGE(r.detail);
+  CHECK(r.ok);
+}
+
 TEST_CASE("free device memory is unchanged after many runs, and replays keep host time small") {
   Stream stream;
   const cudaStream_t s = stream.get();
@@ -622,7 +456,15 @@ TEST_CASE("bad batches throw, naming the problem, and change neither pools nor s
     CHECK(diff_bits(c.data(), pools[2 * l].data(), c.size()) == 0);
     CHECK(diff_bits(r.data(), pools[2 * l + 1].data(), r.size()) == 0);
   }
-  // The staged batch is still `good`: running the layers now equals a plain run of it.
+  // A failed begin_forward dropped `good`: run_layer refuses, naming the failure, and writes
+  // nothing; staging `good` again runs it as a plain run does.
+  CHECK_THROWS_WITH_AS(m->run_layer(0, s), doctest::Contains("no batch is staged: the last begin_forward failed"),
+                       kda::Error);
+  for (int l = 0; l < 2; ++l) {
+    CHECK(diff_bits(conv_pool(*m, l, s).data(), pools[2 * l].data(), pools[2 * l].size()) == 0);
+    CHECK(diff_bits(rec_pool(*m, l, s).data(), pools[2 * l + 1].data(), pools[2 * l + 1].size()) == 0);
+  }
+  m->begin_forward(good.view(), s);
   m->run_layer(0, s);
   m->run_layer(1, s);
   ref->run(good.view(), s);

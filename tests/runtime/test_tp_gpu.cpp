@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #if KDA_HAVE_NCCL
+#include <dlfcn.h>
 #include <nccl.h>
 #endif
 
@@ -32,6 +33,28 @@
 #include "testing/tp_shard.h"
 #include "support/gpu_buffers.h"
 #include "support/host_batch.h"
+
+#if KDA_HAVE_NCCL
+// Every ncclAllReduce of this program, the library's included, goes through this definition:
+// the executable's symbol comes first in the dynamic lookup, ahead of libnccl's. It counts the
+// calls made while their stream is being captured, i.e. the all-reduces recorded into graphs,
+// then calls NCCL's own. A one-rank in-place all-reduce may record no node at all, so the graph
+// node counts cannot tell whether the step was recorded; this count can.
+namespace {
+int g_all_reduce_calls = 0, g_all_reduce_recorded = 0;
+}
+extern "C" ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
+                                      ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  using Fn = ncclResult_t (*)(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
+  static const Fn nccl_own = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "ncclAllReduce"));
+  if (!nccl_own) return ncclSystemError;
+  ++g_all_reduce_calls;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status == cudaStreamCaptureStatusActive)
+    ++g_all_reduce_recorded;
+  return nccl_own(sendbuff, recvbuff, count, datatype, op, comm, stream);
+}
+#endif
 
 namespace {
 
@@ -312,7 +335,7 @@ TEST_CASE("a rank of several with neither a communicator nor partial output refu
   CHECK_THROWS_WITH_AS(m.run(batch.view(), s), doctest::Contains(why), kda::Error);
   CHECK_THROWS_WITH_AS(m.self_check(batch.view(), s), doctest::Contains(why), kda::Error);
   CHECK_THROWS_WITH_AS(m.profile_steps(batch.view(), 0, s), doctest::Contains(why), kda::Error);
-  CHECK_THROWS_WITH_AS(m.run_layer(0, s), doctest::Contains("no batch: call begin_forward"), kda::Error);
+  CHECK_THROWS_WITH_AS(m.run_layer(0, s), doctest::Contains("no batch is staged: the last begin_forward failed"), kda::Error);
   KDA_TEST_CUDA(cudaDeviceSynchronize());
   CHECK(diff_bits(download<uint16_t>(m.output(), out_elems).data(), out0.data(), out0.size() * 2) == 0);
   CHECK(diff_bits(download<float>(m.conv_state_pool(0), cfg.conv_pool_elems()).data(), conv0.data(), conv0.size() * 4) == 0);
@@ -349,6 +372,7 @@ TEST_CASE("a one-rank communicator all-reduces as an identity, recorded in the g
   with.set_communicator(comm.get());
 
   // The first batch records the graphs (after its eager run), the second replays them.
+  g_all_reduce_calls = g_all_reduce_recorded = 0;
   for (bool initial : {false, true}) {
     CAPTURE(initial);
     const HostBatch b = make_batch(initial);
@@ -389,6 +413,11 @@ TEST_CASE("a one-rank communicator all-reduces as an identity, recorded in the g
     replays += sw.graphs[i].replays;
   }
   CHECK(replays > 0);
+  // One all-reduce recorded into each graph of the module with the communicator (none for the
+  // other), and one more per eager (layer, window) run of the first batch.
+  MESSAGE("ncclAllReduce calls: ", g_all_reduce_calls, ", of them recorded into graphs: ", g_all_reduce_recorded);
+  CHECK(g_all_reduce_recorded == static_cast<int>(sw.graphs.size()));
+  CHECK(g_all_reduce_calls > g_all_reduce_recorded);
 
   // Graph replay against eager launches of the same step list, all-reduce included.
   const HostBatch b = make_batch(true);
