@@ -12,15 +12,29 @@
 
 namespace kda {
 
+namespace {
+// The current device, where the module allocates everything; a clear error when there is none
+// (before cuBLASLt or an allocation fails with a less telling one).
+int usable_current_device(const char* fn) {
+  int device = 0;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    KDA_FAIL(fn, "no CUDA device is usable: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  }
+  return device;
+}
+}  // namespace
+
 PrefillModule::Impl::Impl(const Config& cfg)
     : config(cfg),
+      device(usable_current_device("kda::PrefillModule::PrefillModule")),
       num_layers(static_cast<int>(cfg.runtime.num_layers)),
       program(config),
       staging(detail::StagingLayout::for_config(cfg)),
       validator(cfg),
       ledger(static_cast<int>(cfg.runtime.num_layers)) {
   constexpr const char* fn = "kda::PrefillModule::PrefillModule";
-  KDA_CUDA_CHECK(fn, cudaGetDevice(&device));
   pools.assign(num_layers, StatePools{});
   has_pools.assign(num_layers, 0);
   if (!config.pools.external) {
