@@ -8,6 +8,7 @@
 
 #include "common/check.h"
 #include "common/state_storage.h"
+#include "config/config_limits.h"
 #include "config/config_source.h"
 #include "kda/config.h"
 
@@ -16,18 +17,8 @@ namespace {
 
 using detail::str_cat;
 
-constexpr int64_t kMaxHiddenSize = int64_t{1} << 17;
-constexpr int64_t kMaxHeads = 1024;
-constexpr int64_t kMaxGateRank = 1024;
-constexpr int64_t kMaxBuckets = 64;
-constexpr int64_t kMaxBucketTokens = int64_t{1} << 20;
-constexpr int64_t kMaxSeqs = int64_t{1} << 20;
-constexpr int64_t kMaxBatchTokens = int64_t{1} << 24;
-constexpr int64_t kMaxLayers = 1024;
-constexpr int64_t kMaxCheckpoints = int64_t{1} << 16;  // staged per window, one block each
+using namespace limits;  // config/config_limits.h
 constexpr int64_t kMiB = int64_t{1} << 20;
-constexpr int64_t kMaxWorkspaceBytes = int64_t{1} << 30;
-constexpr int64_t kMaxCacheLines = int64_t{1} << 24;
 
 class Validator {
  public:

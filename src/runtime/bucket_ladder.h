@@ -15,12 +15,14 @@
 #include <utility>
 #include <vector>
 
+#include "config/config_limits.h"
+
 namespace kda::detail {
 
-// Limits of validate_config (src/config/config_validate.cpp) a ladder has to meet.
-constexpr int kLadderMaxGraphs = 64;                        // runtime.token_buckets entries
-constexpr int64_t kLadderMaxBucket = int64_t{1} << 20;      // tokens of one bucket
-constexpr int64_t kHistogramMaxTokens = int64_t{1} << 24;   // runtime.max_batch_tokens
+// The limits of validate_config a ladder has to meet.
+constexpr int kLadderMaxGraphs = static_cast<int>(limits::kMaxBuckets);  // runtime.token_buckets entries
+constexpr int64_t kLadderMaxBucket = limits::kMaxBucketTokens;           // tokens of one bucket
+constexpr int64_t kHistogramMaxTokens = limits::kMaxBatchTokens;         // runtime.max_batch_tokens
 // Bounds that keep every sum in int64: at most 2^40 batches of at most 2^62 tokens in all, so
 // the padding (< 2^20 per batch) stays below 2^60 and real + padded below 2^63.
 constexpr int64_t kHistogramMaxBatches = int64_t{1} << 40;
