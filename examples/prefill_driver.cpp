@@ -102,7 +102,8 @@ struct Options {
                "                  config is the whole model (tensor_parallel.size 1)\n"
                "  --prefix-sharing  prefill prompt A with state checkpoints, then prompt B sharing A's\n"
                "                  first 75%% from the checkpoint; print tokens saved, both times and the\n"
-               "                  difference from a full prefill of B (needs runtime.max_checkpoints >= 7)\n"
+               "                  difference from a full prefill of B (needs runtime.layer_steps: full,\n"
+               "                  runtime.max_checkpoints >= 7, pools.cache_lines >= 11)\n"
                "  --help, -h      print this and exit 0\n"
                "exit status: 0 ok; 1 a run or check failed; 2 bad arguments, bad config, no usable\n"
                "CUDA device (or fewer than --tp N)\n",
@@ -133,6 +134,9 @@ Options parse_args(int argc, char** argv) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) usage(argv[0], a + " needs a value");
+      // "--config --validate" names no file: the next flag is not taken as the value (a file
+      // whose name starts with "--" is reached as ./--name).
+      if (std::strncmp(argv[i + 1], "--", 2) == 0) usage(argv[0], a + " needs a value, got the flag " + argv[i + 1]);
       return argv[++i];
     };
     auto int_value = [&](long lo, long hi) -> long {
@@ -219,9 +223,9 @@ kda::Config driver_config(const Options& opt) {
 }
 
 // --tp N: the rank configs cut from the whole model's config (tensor_parallel {N, r},
-// model.num_heads / N heads each), validated. Throws kda::Error (from rank_model or
-// validate_config) or std::invalid_argument when the config cannot be cut: both are config
-// errors, found before any CUDA call.
+// model.num_heads / N heads each), validated. Throws std::invalid_argument when the config cannot
+// be cut, kda::Error when a rank's config is invalid: both are config errors, found before any
+// CUDA call.
 std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& full) {
   const int N = opt.tp;
   if (full.tensor_parallel.size != 1)
@@ -238,9 +242,13 @@ std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& 
     throw std::invalid_argument("--tp cuts module-owned fp32 pools in the default layouts (src/testing/tp_shard.h); " +
                                 opt.config +
                                 " sets pools.external, pools.recurrent_layout, pools.conv_layout or a bf16 pools.*_dtype");
+  if (full.model.num_heads % N != 0)
+    throw std::invalid_argument("--tp " + std::to_string(N) + ": " + opt.config + " has model.num_heads " +
+                                std::to_string(full.model.num_heads) + ", which does not divide into " +
+                                std::to_string(N) + " ranks (every rank needs whole heads)");
   std::vector<kda::Config> rank_cfg(N, full);
   for (int r = 0; r < N; ++r) {
-    rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);  // throws when the heads do not divide
+    rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);
     rank_cfg[r].tensor_parallel.size = N;
     rank_cfg[r].tensor_parallel.rank = r;
     kda::validate_config(rank_cfg[r]);
@@ -408,6 +416,10 @@ void print_validated(const Options& opt, const kda::Config& cfg, const std::vect
               mib(cfg.pools.cache_lines * (conv_line + rec_line)).c_str());
   std::printf("  tensor parallel: size %lld, rank %lld\n", (long long)cfg.tensor_parallel.size,
               (long long)cfg.tensor_parallel.rank);
+  if (opt.prefix_sharing)
+    std::printf("  --prefix-sharing: the config has what the scenario needs (layer_steps full, max_checkpoints %lld, "
+                "%lld cache lines)\n",
+                (long long)rt.max_checkpoints, (long long)cfg.pools.cache_lines);
   if (rank_cfg.empty()) {
     print_module_memory(cfg, "  ");
   } else {
@@ -772,7 +784,11 @@ int main(int argc, char** argv) {
   try {
     cfg = driver_config(opt);
     if (opt.tp) rank_cfg = tp_rank_configs(opt, cfg);
-    check_batch_fits(batch_lengths(opt, cfg), cfg);
+    if (opt.prefix_sharing) {
+      if (const std::string unmet = prefix_sharing_unmet(cfg); !unmet.empty()) throw std::invalid_argument(unmet);
+    } else {
+      check_batch_fits(batch_lengths(opt, cfg), cfg);
+    }
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "prefill_driver: %s\n", e.what());
     return 2;
