@@ -6,7 +6,8 @@
 // The config is loaded and validated before anything touches CUDA: a bad config exits 2 with
 // kda::load_config's message (file:line: key: what is wrong) on any machine. --validate stops
 // there and prints the resolved sizes and the device memory the module will allocate, so
-// configs can be checked on a machine without a GPU.
+// configs can be checked on a machine without a GPU. Without --config the driver reads
+// configs/default.yaml of the current directory, else the copy installed beside it (share/).
 //
 // --tp N runs the config's model (all its heads) as N tensor-parallel ranks on GPUs 0..N-1, one
 // host thread per rank, the ranks' outputs summed by the modules' NCCL all-reduce, and checks
@@ -61,8 +62,26 @@ using driver::diff_bits;
 using driver::random_bf16;
 using driver::rel_error_bf16;
 
+// The config without --config: configs/default.yaml of the current directory (a source tree),
+// else the one installed with the driver (<prefix>/<datadir>/kda-prefill/configs/default.yaml,
+// KDA_INSTALLED_CONFIG, set by examples/meson.build).
+constexpr const char* kLocalConfig = "configs/default.yaml";
+#ifdef KDA_INSTALLED_CONFIG
+constexpr const char* kInstalledConfig = KDA_INSTALLED_CONFIG;
+#else
+constexpr const char* kInstalledConfig = kLocalConfig;
+#endif
+
+std::string default_config() {
+  if (std::FILE* f = std::fopen(kLocalConfig, "rb")) {
+    std::fclose(f);
+    return kLocalConfig;
+  }
+  return kInstalledConfig;
+}
+
 struct Options {
-  std::string config = "configs/default.yaml";
+  std::string config;  // --config, else default_config()
   std::vector<int32_t> lengths;
   int random_seqs = 0;
   int layers = 0;  // 0: the config's runtime.num_layers
@@ -84,11 +103,14 @@ struct Options {
                "usage: %s [--config FILE] [--validate] [--lengths L1,L2,...| --random N] [--layers N]\n"
                "          [--iters N] [--seed S] [--check] [--no-eager] [--tp N] [--prefix-sharing]\n"
                "          [--help]\n"
-               "  --config FILE   YAML config (default configs/default.yaml); loaded and validated\n"
-               "                  before any CUDA call: a bad config exits 2 naming file:line: key\n"
+               "  --config FILE   YAML config; loaded and validated before any CUDA call: a bad\n"
+               "                  config exits 2 naming file:line: key. Default: configs/default.yaml\n"
+               "                  in the current directory, else the installed one,\n"
+               "                  %s\n"
                "  --validate      only check the config (with --layers and --tp applied) and that the\n"
-               "                  batch fits it, print the resolved sizes and the device memory the\n"
-               "                  module will allocate; needs no GPU; exits 0 when they are valid\n"
+               "                  batch (or --prefix-sharing's scenario) fits it, print the resolved\n"
+               "                  sizes and the device memory the module will allocate; needs no GPU;\n"
+               "                  exits 0 when they are valid\n"
                "  --lengths ...   sequence lengths in tokens (default 512,37,2000,1500)\n"
                "  --random N      N sequences of random length filling about half the capacity\n"
                "  --layers N      layers to run (overrides runtime.num_layers)\n"
@@ -107,7 +129,7 @@ struct Options {
                "  --help, -h      print this and exit 0\n"
                "exit status: 0 ok; 1 a run or check failed; 2 bad arguments, bad config, no usable\n"
                "CUDA device (or fewer than --tp N)\n",
-               argv0);
+               argv0, kInstalledConfig);
   std::exit(help ? 0 : 2);
 }
 
@@ -164,6 +186,7 @@ Options parse_args(int argc, char** argv) {
   }
   if (!o.lengths.empty() && o.random_seqs) usage(argv[0], "give --lengths or --random, not both");
   if (o.prefix_sharing && o.tp) usage(argv[0], "give --prefix-sharing or --tp, not both");
+  if (o.config.empty()) o.config = default_config();
   return o;
 }
 
