@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
   if (configs.empty())
     configs = {"configs/default.yaml", "configs/kimi-linear-48b-tp1.yaml", "configs/tiny.yaml"};
 
-  kda::bench::require_gpu("bench_module");
+  const cudaDeviceProp prop = kda::bench::require_gpu("bench_module");
 
   std::vector<Row> rows;
   try {
@@ -250,7 +250,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::string table =
+  std::string table = std::string("## bench_module: graph replay vs eager launches on ") + prop.name + "\n\n" +
       "| config | steps | tokens | seqs | layers | graph GPU us | eager GPU us | graph wall us | eager wall us "
       "| eager/graph wall | host us per run() | host us per layer | begin_forward us | first layer us "
       "| last layer us | host us per layer, GPU busy |\n"
