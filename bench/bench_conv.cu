@@ -2,11 +2,11 @@
 // the same bytes, at the KDA seed scale (bench_util.h's seed_model(): part_dim 1536 x 3, in_proj
 // row stride 4928).
 //
-//   bench_conv [--quick] [--case TOKENSxSEQS] [--out FILE]
+//   bench_conv [--quick] [--case TOKENSxSEQS] [--out FILE] [--help]
 //
-// Prints a markdown table (and writes it to FILE with --out). Exits 2 without a usable GPU,
-// 1 when the packed and stock outputs differ on the benchmarked data or on an error, else 0
-// (a missed target is reported in the table, not in the exit code).
+// Prints a markdown table (and writes it to FILE with --out). Exits 0 after --help, 2 without a
+// usable GPU, 1 on a bad argument, on an error or when the packed and stock outputs differ on the
+// benchmarked data, else 0 (a missed target is reported in the table, not in the exit code).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -208,10 +208,7 @@ std::string table(const std::vector<Row>& rows, const cudaDeviceProp& prop, bool
   return os.str();
 }
 
-int usage(const char* argv0) {
-  std::fprintf(stderr, "usage: %s [--quick] [--case TOKENSxSEQS] [--out FILE]\n", argv0);
-  return 1;
-}
+constexpr const char* kArgs = "[--quick] [--case TOKENSxSEQS] [--out FILE] [--help]";
 
 }  // namespace
 
@@ -220,15 +217,18 @@ int main(int argc, char** argv) {
   std::string out_path;
   long long only_tokens = 0, only_seqs = 0;  // --case: run only this shape (for a profiler)
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
+    if (kda::bench::is_help(argv[i])) {
+      kda::bench::usage_exit(argv[0], kArgs);
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) {
-      if (std::sscanf(argv[++i], "%lldx%lld", &only_tokens, &only_seqs) != 2 || only_tokens < 1 || only_seqs < 1)
-        return usage(argv[0]);
+      ++i;
+      if (std::sscanf(argv[i], "%lldx%lld", &only_tokens, &only_seqs) != 2 || only_tokens < 1 || only_seqs < 1)
+        kda::bench::usage_exit(argv[0], kArgs, argv[i]);
     } else if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
       out_path = argv[++i];
     } else {
-      return usage(argv[0]);
+      kda::bench::usage_exit(argv[0], kArgs, argv[i]);
     }
   }
   const cudaDeviceProp prop = kda::bench::require_gpu("bench_conv");

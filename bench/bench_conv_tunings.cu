@@ -4,14 +4,14 @@
 // 1536 x 3, in_proj row stride 4928, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). It is
 // the measurement behind the defaults of src/conv/conv_params.h.
 //
-//   bench_conv_tunings [--quick] [--out FILE]
+//   bench_conv_tunings [--quick] [--out FILE] [--help]
 //
 // For each batch shape it prints the copy time, the default launch, the best tuning and every
 // tuning (mean GPU time per launch over back-to-back launches, buffer sets rotated so that L2
 // holds none of them); with --out the whole report also goes to FILE. Every tuning's output
 // and final state are compared bitwise with the default launch's from the same input and
-// initial state. Exits 2 without a usable GPU, 1 when any tuning differs in a bit or on an
-// error, else 0.
+// initial state. Exits 0 after --help, 2 without a usable GPU, 1 on a bad argument, when any
+// tuning differs in a bit or on an error, else 0.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -169,10 +169,7 @@ std::vector<kda::conv::ConvTuning> sweep() {
   return tunings;
 }
 
-int usage(const char* argv0) {
-  std::fprintf(stderr, "usage: %s [--quick] [--out FILE]\n", argv0);
-  return 1;
-}
+constexpr const char* kArgs = "[--quick] [--out FILE] [--help]";
 
 }  // namespace
 
@@ -180,12 +177,14 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::string out_path;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
+    if (kda::bench::is_help(argv[i])) {
+      kda::bench::usage_exit(argv[0], kArgs);
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
       out_path = argv[++i];
     } else {
-      return usage(argv[0]);
+      kda::bench::usage_exit(argv[0], kArgs, argv[i]);
     }
   }
   const cudaDeviceProp prop = kda::bench::require_gpu("bench_conv_tunings");

@@ -2,10 +2,10 @@
 // not) and the module's GemmPlan choice, so the in_proj / o_proj rate can be compared with what
 // the library offers on this GPU, at the seed scale (bench_util.h's seed_model()).
 //
-//   bench_gemm [--out FILE]
+//   bench_gemm [--out FILE] [--help]
 //
-// Prints a markdown table (and writes it to FILE with --out). Exits 2 without a usable GPU, 1 on
-// a CUDA error, else 0.
+// Prints a markdown table (and writes it to FILE with --out). Exits 0 after --help, 2 without a
+// usable GPU, 1 on a bad argument or a CUDA error, else 0.
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -38,8 +38,12 @@ int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 int main(int argc, char** argv) {
   std::string out_path;
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == "--out" && i + 1 < argc) out_path = argv[++i];
+  constexpr const char* kArgs = "[--out FILE] [--help]";
+  for (int i = 1; i < argc; ++i) {
+    if (kda::bench::is_help(argv[i])) kda::bench::usage_exit(argv[0], kArgs);
+    else if (std::string(argv[i]) == "--out" && i + 1 < argc) out_path = argv[++i];
+    else kda::bench::usage_exit(argv[0], kArgs, argv[i]);
+  }
   kda::bench::require_gpu("bench_gemm");
   try {
     cudaStream_t s;

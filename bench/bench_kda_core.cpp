@@ -3,7 +3,7 @@
 // op's two phases alone (KdaChunkedPhases::PrepOnly, then StateOnly on the records the
 // PrepOnly launches wrote), on the shapes of docs/perf.md's KDA core table.
 //
-//   bench_kda_core [--quick] [--case TEXT] [--reps N] [--out FILE]
+//   bench_kda_core [--quick] [--case TEXT] [--reps N] [--out FILE] [--help]
 //
 // --case keeps the cases whose name contains TEXT (e.g. "H 4,").
 //
@@ -11,7 +11,8 @@
 // warm-up. Reports the tensor-core work the chunked kernels issue (mma.sync m16n8k16 count x
 // 4096 flop) against the H200's measured bf16 dense ceiling (~790 TFLOP/s) and the compulsory
 // DRAM bytes against its copy bandwidth (~4.3 TB/s). Prints a markdown table (and writes it to
-// FILE with --out). Exits 2 without a usable GPU, 1 on an error, else 0.
+// FILE with --out). Exits 0 after --help, 2 without a usable GPU, 1 on a bad argument or an
+// error, else 0.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -177,8 +178,11 @@ int main(int argc, char** argv) {
   bool quick = false;
   int reps = 30;
   std::string out_path, only;
+  constexpr const char* kArgs = "[--quick] [--case TEXT] [--reps N (>= 20)] [--out FILE] [--help]";
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
+    if (kda::bench::is_help(argv[i])) {
+      kda::bench::usage_exit(argv[0], kArgs);
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
       reps = std::max(20, std::atoi(argv[++i]));
@@ -187,8 +191,7 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) {
       only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--case TEXT] [--reps N (>= 20)] [--out FILE]\n", argv[0]);
-      return 1;
+      kda::bench::usage_exit(argv[0], kArgs, argv[i]);
     }
   }
   const cudaDeviceProp prop = kda::bench::require_gpu("bench_kda_core");

@@ -3,10 +3,10 @@
 // 4 equal sequences filling the bucket, continuing from their states (has_initial_state); then
 // the per-step GPU time of one whole layer (profile_steps) at layer-scale shapes.
 //
-//   bench_module [--config FILE]... [--iters N] [--steps-only] [--out FILE]
+//   bench_module [--config FILE]... [--iters N] [--steps-only] [--out FILE] [--help]
 //
 // --steps-only: the per-step table alone. Prints markdown tables (and writes them to FILE with
-// --out). Exits 2 without a usable GPU, 1 on an error or a bad option, else 0.
+// --out). Exits 0 after --help, 2 without a usable GPU, 1 on an error or a bad option, else 0.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -133,23 +133,22 @@ int main(int argc, char** argv) {
   std::string out_path;
   int iters = 50;
   bool steps_only = false;
+  constexpr const char* kArgs = "[--config FILE]... [--iters N] [--steps-only] [--out FILE] [--help]";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--steps-only") steps_only = true;
+    if (kda::bench::is_help(argv[i])) kda::bench::usage_exit(argv[0], kArgs);
+    else if (a == "--steps-only") steps_only = true;
     else if (a == "--config" && i + 1 < argc) configs.push_back(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
-    else {
-      std::fprintf(stderr, "usage: %s [--config FILE]... [--iters N] [--steps-only] [--out FILE]\n", argv[0]);
-      return 1;
-    }
+    else kda::bench::usage_exit(argv[0], kArgs, argv[i]);
   }
   // tiny.yaml: a layer small enough that launches, not GPU work, bound the eager path, which
   // is where replaying a graph pays.
   if (configs.empty())
     configs = {"configs/default.yaml", "configs/kimi-linear-48b-tp1.yaml", "configs/tiny.yaml"};
 
-  kda::bench::require_gpu("bench_module");
+  const cudaDeviceProp prop = kda::bench::require_gpu("bench_module");
 
   std::vector<Row> rows;
   try {
@@ -251,7 +250,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::string table =
+  std::string table = std::string("## bench_module: graph replay vs eager launches on ") + prop.name + "\n\n" +
       "| config | steps | tokens | seqs | layers | graph GPU us | eager GPU us | graph wall us | eager wall us "
       "| eager/graph wall | host us per run() | host us per layer | begin_forward us | first layer us "
       "| last layer us | host us per layer, GPU busy |\n"

@@ -32,6 +32,17 @@ inline void cuda_check(cudaError_t e, const char* what) {
 // Exit status of a benchmark that found no usable GPU (nothing was measured).
 constexpr int kExitNoGpu = 2;
 
+// True for --help and -h.
+inline bool is_help(const char* arg) { return std::string(arg) == "--help" || std::string(arg) == "-h"; }
+
+// Ends a benchmark's argument parsing with "usage: <argv0> <args>": for --help (`bad` null) on
+// stdout with exit status 0, for a bad argument on stderr after naming it, exit status 1.
+[[noreturn]] inline void usage_exit(const char* argv0, const char* args, const char* bad = nullptr) {
+  if (bad) std::fprintf(stderr, "%s: bad argument \"%s\"\n", argv0, bad);
+  std::fprintf(bad ? stderr : stdout, "usage: %s %s\n", argv0, args);
+  std::exit(bad ? 1 : 0);
+}
+
 // The properties of device 0. Without a usable CUDA device: says so on stderr, naming
 // `program`, and exits with kExitNoGpu.
 inline cudaDeviceProp require_gpu(const char* program) {

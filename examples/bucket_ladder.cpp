@@ -12,7 +12,9 @@
 // blank lines and # comments allowed); see kda::detail::parse_token_histogram.
 //
 // Exit codes: 0 success (and --help); 1 the --out file could not be written; 2 bad arguments, a
-// bad histogram (the message names file:line) or limits no ladder can meet.
+// histogram that cannot be read (the message says why) or is bad (it names file:line), or limits no
+// ladder can meet.
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -148,8 +150,27 @@ std::string list(const std::vector<int64_t>& values) {
   return text + "]";
 }
 
+// The whole file at `path` into `text`; false, with errno telling why, when it cannot be read.
+bool read_file(const std::string& path, std::string& text) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (!file) return false;
+  char buffer[1 << 14];
+  for (std::size_t got; (got = std::fread(buffer, 1, sizeof buffer, file)) > 0;) text.append(buffer, got);
+  const bool ok = std::ferror(file) == 0;
+  const int read_errno = errno;
+  std::fclose(file);
+  errno = read_errno;
+  return ok;
+}
+
 int run(const Options& options) {
-  const TokenHistogram histogram = kda::detail::load_token_histogram(options.histogram);
+  std::string text;
+  if (!read_file(options.histogram, text)) {
+    std::fprintf(stderr, "bucket_ladder: %s: cannot read the histogram: %s\n", options.histogram.c_str(),
+                 std::strerror(errno));
+    return 2;
+  }
+  const TokenHistogram histogram = kda::detail::parse_token_histogram(text, options.histogram);
   const kda::detail::HistogramTotals totals = kda::detail::histogram_totals(histogram);
   std::printf("%s: %lld batches, %lld tokens, %lld distinct sizes from %lld to %lld tokens\n",
               options.histogram.c_str(), static_cast<long long>(totals.batches),

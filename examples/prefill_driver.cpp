@@ -6,7 +6,8 @@
 // The config is loaded and validated before anything touches CUDA: a bad config exits 2 with
 // kda::load_config's message (file:line: key: what is wrong) on any machine. --validate stops
 // there and prints the resolved sizes and the device memory the module will allocate, so
-// configs can be checked on a machine without a GPU.
+// configs can be checked on a machine without a GPU. Without --config the driver reads
+// configs/default.yaml of the current directory, else the copy installed beside it (share/).
 //
 // --tp N runs the config's model (all its heads) as N tensor-parallel ranks on GPUs 0..N-1, one
 // host thread per rank, the ranks' outputs summed by the modules' NCCL all-reduce, and checks
@@ -61,8 +62,26 @@ using driver::diff_bits;
 using driver::random_bf16;
 using driver::rel_error_bf16;
 
+// The config without --config: configs/default.yaml of the current directory (a source tree),
+// else the one installed with the driver (<prefix>/<datadir>/kda-prefill/configs/default.yaml,
+// KDA_INSTALLED_CONFIG, set by examples/meson.build).
+constexpr const char* kLocalConfig = "configs/default.yaml";
+#ifdef KDA_INSTALLED_CONFIG
+constexpr const char* kInstalledConfig = KDA_INSTALLED_CONFIG;
+#else
+constexpr const char* kInstalledConfig = kLocalConfig;
+#endif
+
+std::string default_config() {
+  if (std::FILE* f = std::fopen(kLocalConfig, "rb")) {
+    std::fclose(f);
+    return kLocalConfig;
+  }
+  return kInstalledConfig;
+}
+
 struct Options {
-  std::string config = "configs/default.yaml";
+  std::string config;  // --config, else default_config()
   std::vector<int32_t> lengths;
   int random_seqs = 0;
   int layers = 0;  // 0: the config's runtime.num_layers
@@ -84,11 +103,14 @@ struct Options {
                "usage: %s [--config FILE] [--validate] [--lengths L1,L2,...| --random N] [--layers N]\n"
                "          [--iters N] [--seed S] [--check] [--no-eager] [--tp N] [--prefix-sharing]\n"
                "          [--help]\n"
-               "  --config FILE   YAML config (default configs/default.yaml); loaded and validated\n"
-               "                  before any CUDA call: a bad config exits 2 naming file:line: key\n"
+               "  --config FILE   YAML config; loaded and validated before any CUDA call: a bad\n"
+               "                  config exits 2 naming file:line: key. Default: configs/default.yaml\n"
+               "                  in the current directory, else the installed one,\n"
+               "                  %s\n"
                "  --validate      only check the config (with --layers and --tp applied) and that the\n"
-               "                  batch fits it, print the resolved sizes and the device memory the\n"
-               "                  module will allocate; needs no GPU; exits 0 when they are valid\n"
+               "                  batch (or --prefix-sharing's scenario) fits it, print the resolved\n"
+               "                  sizes and the device memory the module will allocate; needs no GPU;\n"
+               "                  exits 0 when they are valid\n"
                "  --lengths ...   sequence lengths in tokens (default 512,37,2000,1500)\n"
                "  --random N      N sequences of random length filling about half the capacity\n"
                "  --layers N      layers to run (overrides runtime.num_layers)\n"
@@ -102,11 +124,12 @@ struct Options {
                "                  config is the whole model (tensor_parallel.size 1)\n"
                "  --prefix-sharing  prefill prompt A with state checkpoints, then prompt B sharing A's\n"
                "                  first 75%% from the checkpoint; print tokens saved, both times and the\n"
-               "                  difference from a full prefill of B (needs runtime.max_checkpoints >= 7)\n"
+               "                  difference from a full prefill of B (needs runtime.layer_steps: full,\n"
+               "                  runtime.max_checkpoints >= 7, pools.cache_lines >= 11)\n"
                "  --help, -h      print this and exit 0\n"
                "exit status: 0 ok; 1 a run or check failed; 2 bad arguments, bad config, no usable\n"
                "CUDA device (or fewer than --tp N)\n",
-               argv0);
+               argv0, kInstalledConfig);
   std::exit(help ? 0 : 2);
 }
 
@@ -133,6 +156,9 @@ Options parse_args(int argc, char** argv) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) usage(argv[0], a + " needs a value");
+      // "--config --validate" names no file: the next flag is not taken as the value (a file
+      // whose name starts with "--" is reached as ./--name).
+      if (std::strncmp(argv[i + 1], "--", 2) == 0) usage(argv[0], a + " needs a value, got the flag " + argv[i + 1]);
       return argv[++i];
     };
     auto int_value = [&](long lo, long hi) -> long {
@@ -160,6 +186,7 @@ Options parse_args(int argc, char** argv) {
   }
   if (!o.lengths.empty() && o.random_seqs) usage(argv[0], "give --lengths or --random, not both");
   if (o.prefix_sharing && o.tp) usage(argv[0], "give --prefix-sharing or --tp, not both");
+  if (o.config.empty()) o.config = default_config();
   return o;
 }
 
@@ -219,9 +246,9 @@ kda::Config driver_config(const Options& opt) {
 }
 
 // --tp N: the rank configs cut from the whole model's config (tensor_parallel {N, r},
-// model.num_heads / N heads each), validated. Throws kda::Error (from rank_model or
-// validate_config) or std::invalid_argument when the config cannot be cut: both are config
-// errors, found before any CUDA call.
+// model.num_heads / N heads each), validated. Throws std::invalid_argument when the config cannot
+// be cut, kda::Error when a rank's config is invalid: both are config errors, found before any
+// CUDA call.
 std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& full) {
   const int N = opt.tp;
   if (full.tensor_parallel.size != 1)
@@ -238,9 +265,13 @@ std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& 
     throw std::invalid_argument("--tp cuts module-owned fp32 pools in the default layouts (src/testing/tp_shard.h); " +
                                 opt.config +
                                 " sets pools.external, pools.recurrent_layout, pools.conv_layout or a bf16 pools.*_dtype");
+  if (full.model.num_heads % N != 0)
+    throw std::invalid_argument("--tp " + std::to_string(N) + ": " + opt.config + " has model.num_heads " +
+                                std::to_string(full.model.num_heads) + ", which does not divide into " +
+                                std::to_string(N) + " ranks (every rank needs whole heads)");
   std::vector<kda::Config> rank_cfg(N, full);
   for (int r = 0; r < N; ++r) {
-    rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);  // throws when the heads do not divide
+    rank_cfg[r].model = kda::detail::rank_model(full.model, N, r);
     rank_cfg[r].tensor_parallel.size = N;
     rank_cfg[r].tensor_parallel.rank = r;
     kda::validate_config(rank_cfg[r]);
@@ -408,6 +439,10 @@ void print_validated(const Options& opt, const kda::Config& cfg, const std::vect
               mib(cfg.pools.cache_lines * (conv_line + rec_line)).c_str());
   std::printf("  tensor parallel: size %lld, rank %lld\n", (long long)cfg.tensor_parallel.size,
               (long long)cfg.tensor_parallel.rank);
+  if (opt.prefix_sharing)
+    std::printf("  --prefix-sharing: the config has what the scenario needs (layer_steps full, max_checkpoints %lld, "
+                "%lld cache lines)\n",
+                (long long)rt.max_checkpoints, (long long)cfg.pools.cache_lines);
   if (rank_cfg.empty()) {
     print_module_memory(cfg, "  ");
   } else {
@@ -772,7 +807,11 @@ int main(int argc, char** argv) {
   try {
     cfg = driver_config(opt);
     if (opt.tp) rank_cfg = tp_rank_configs(opt, cfg);
-    check_batch_fits(batch_lengths(opt, cfg), cfg);
+    if (opt.prefix_sharing) {
+      if (const std::string unmet = prefix_sharing_unmet(cfg); !unmet.empty()) throw std::invalid_argument(unmet);
+    } else {
+      check_batch_fits(batch_lengths(opt, cfg), cfg);
+    }
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "prefill_driver: %s\n", e.what());
     return 2;

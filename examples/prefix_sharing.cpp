@@ -26,6 +26,14 @@
 
 namespace {
 
+constexpr int kCheckpoints = 7;  // prompt A's checkpoint lines
+constexpr int64_t kLines = 11;   // A, its checkpoints, B in full, B continued, and the null line
+
+// L: the prompts' length, the largest multiple of 512 up to 2048 that the batch capacity holds.
+int64_t prompt_tokens(const kda::Config& cfg) {
+  return std::min<int64_t>(2048, cfg.runtime.batch_token_capacity()) / 512 * 512;
+}
+
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("--prefix-sharing: ") + what + ": " + cudaGetErrorString(e));
 }
@@ -148,26 +156,31 @@ StateDiff compare_states(const std::vector<std::vector<float>>& got, const std::
 
 }  // namespace
 
+std::string prefix_sharing_unmet(const kda::Config& cfg) {
+  if (prompt_tokens(cfg) >= 512 && cfg.runtime.layer_steps == kda::LayerSteps::Full &&
+      cfg.runtime.max_checkpoints >= kCheckpoints && cfg.pools.cache_lines >= kLines)
+    return {};
+  return "--prefix-sharing needs runtime.layer_steps: full, a batch token capacity of at least 512, "
+         "runtime.max_checkpoints >= " + std::to_string(kCheckpoints) + " and pools.cache_lines >= " +
+         std::to_string(kLines) + "; this config has " +
+         (cfg.runtime.layer_steps == kda::LayerSteps::Full ? "full" : "conv") + ", " +
+         std::to_string(cfg.runtime.batch_token_capacity()) + ", " + std::to_string(cfg.runtime.max_checkpoints) +
+         " and " + std::to_string(cfg.pools.cache_lines);
+}
+
 int run_prefix_sharing(kda::PrefillModule& module, uint64_t seed, kda::Stream stream) {
   const kda::Config& cfg = module.config();
-  const int64_t D = cfg.model.hidden_size;
-  const int64_t L = std::min<int64_t>(2048, cfg.runtime.batch_token_capacity()) / 512 * 512;
-  const int checkpoints = 7;
-  if (L < 512 || cfg.runtime.layer_steps != kda::LayerSteps::Full || cfg.runtime.max_checkpoints < checkpoints ||
-      cfg.pools.cache_lines < 11) {
-    std::fprintf(stderr,
-                 "prefill_driver: --prefix-sharing needs runtime.layer_steps: full, a batch token capacity of at "
-                 "least 512, runtime.max_checkpoints >= %d and pools.cache_lines >= 11; this config has %s, %lld, "
-                 "%lld and %lld\n",
-                 checkpoints, cfg.runtime.layer_steps == kda::LayerSteps::Full ? "full" : "conv",
-                 (long long)cfg.runtime.batch_token_capacity(), (long long)cfg.runtime.max_checkpoints,
-                 (long long)cfg.pools.cache_lines);
+  if (const std::string unmet = prefix_sharing_unmet(cfg); !unmet.empty()) {
+    std::fprintf(stderr, "prefill_driver: %s\n", unmet.c_str());
     return 2;
   }
+  const int64_t D = cfg.model.hidden_size;
+  const int64_t L = prompt_tokens(cfg);
+  const int checkpoints = kCheckpoints;
   const int64_t I = L / 8, S = 6 * I;
   // Ten lines, none the null line: A, its 7 checkpoints, B in full, B continued.
   std::vector<int32_t> lines;
-  for (int32_t l = 0; static_cast<int>(lines.size()) < 10; ++l)
+  for (int32_t l = 0; static_cast<int64_t>(lines.size()) < kLines - 1; ++l)
     if (l != cfg.pools.null_line) lines.push_back(l);
   const int32_t line_a = lines[0], line_full = lines[8], line_cont = lines[9];
   const int32_t ckpt_at_s = lines[1 + 5];  // the 6th checkpoint: after 6 I = S tokens

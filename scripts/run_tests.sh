@@ -5,31 +5,59 @@
 #   bash scripts/run_tests.sh           the whole suite (the default; CI runs this)
 #   bash scripts/run_tests.sh --quick   quick mode, also QUICK=1: KDA_TEST_QUICK=1 for the test
 #                                       programs (the GPU programs run their reduced sets) and the
-#                                       tests in meson suite 'slow' (the two CPU emulations of the
-#                                       kernels, conv_packed_emu and kda_chunked_emu: about 330 s
-#                                       on 2 cores) are left out
+#                                       tests in meson suite 'slow' (the CPU emulations of the
+#                                       kernels, most of the suite's time) are left out
+#   bash scripts/run_tests.sh --help    this, and the test programs of the build directory
 #
 # Environment: BUILD_DIR (default build), KDA_REQUIRE_GPU=1 (a missing GPU fails the GPU programs
 # instead of skipping them), MESON_TEST_ARGS (extra `meson test` arguments, e.g. "--suite cpu").
 #
-# Output ends with two lines, e.g.
-#   6 GPU test programs skipped (no CUDA device): packed_conv_gpu, module_gpu, ...
-#   tests: 93 passed, 0 failed, 0 skipped
+# Output ends with two lines:
+#   G GPU test programs skipped (no CUDA device): packed_conv_gpu, module_gpu, ...
+#   tests: N passed, M failed, K skipped
 # N, M and K of the last line count doctest test cases, summed over the programs that ran (K:
 # test cases doctest skipped). A program that fails without a doctest summary (crash, timeout)
 # counts as one failed test case. Skipped GPU programs are not test cases: the line before says
-# how many there were. Exit status: 0 when nothing failed, else 1 (2 for a bad argument).
+# how many there were (it is printed only when some were). Exit status: 0 when nothing failed,
+# else 1 (2 for a bad argument).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
 quick=${QUICK:-0}
+help=0
 for arg in "$@"; do
   case "$arg" in
     --quick) quick=1 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) help=1 ;;
     *) echo "run_tests.sh: unknown argument \"$arg\" (see --help)" >&2; exit 2 ;;
   esac
 done
+# The test programs of the configured build directory in meson suite $1 (cpu, slow or gpu), as
+# "name, name, ...".
+tests_in() {
+  meson introspect --tests "$build" | python3 -c '
+import json, sys
+print(", ".join(t["name"] for t in json.load(sys.stdin) if any(s.split(":")[-1] == sys.argv[1] for s in t["suite"])))' "$1"
+}
+if [ "$help" = 1 ]; then
+  awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+  echo
+  if [ -f "$build/build.ninja" ]; then
+    echo "The test programs of $build (tests/meson.build):"
+    for suite in cpu slow gpu; do
+      names=$(tests_in $suite)
+      n=$(echo "$names" | tr ',' '\n' | grep -c .)
+      case $suite in
+        cpu) echo "  $n CPU test programs: ${names:-none}" ;;
+        slow) echo "  $n of them in suite 'slow' (left out by --quick): ${names:-none}" ;;
+        gpu) echo "  $n GPU test programs: ${names:-none}" ;;
+      esac
+    done
+  else
+    echo "$build is not configured yet; once it is (this script does that), --help lists its test programs."
+  fi
+  exit 0
+fi
 [ "$quick" = 0 ] || [ "$quick" = 1 ] || { echo "run_tests.sh: QUICK must be 0 or 1, not \"$quick\"" >&2; exit 2; }
 
 if [ ! -f "$build/build.ninja" ]; then
@@ -41,9 +69,7 @@ extra=()
 if [ "$quick" = 1 ]; then
   export KDA_TEST_QUICK=1
   extra+=(--no-suite slow)
-  slow=$(meson introspect --tests "$build" | python3 -c '
-import json, sys
-print(", ".join(t["name"] for t in json.load(sys.stdin) if any(s.split(":")[-1] == "slow" for s in t["suite"])))')
+  slow=$(tests_in slow)
   if [ -n "$slow" ]; then
     echo "run_tests.sh: quick mode: KDA_TEST_QUICK=1, suite 'slow' left out ($slow)"
   else

@@ -8,7 +8,10 @@ namespace kda {
 
 // Every failure the library reports (bad arguments, bad config, bad batch metadata, a CUDA or
 // cuBLASLt error) is a kda::Error. what() reads
-//   "<function>: <what is wrong and what was expected> [<file>:<line>]".
+//   "<function>: <what is wrong and what was expected> [<file>:<line>]"
+// with the library source location of the check. A config error (load_config, parse_config,
+// validate_config) has no such suffix: its message names where the user fixes it, the config's
+// "<file>:<line>: <key path>" (docs/config.md). A null `file` gives that form.
 // When an API call throws because of bad input, it has changed nothing: no device buffer or
 // state pool was written and no stream work was enqueued.
 class Error : public std::runtime_error {

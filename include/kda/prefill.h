@@ -37,8 +37,9 @@
 // Graphs: the (bucket, layer, window) graph records the layer's weight pointers and the step
 // list. runtime.capture: lazy records a graph the first time a batch needs it, after running
 // that window eagerly (the batch's work, which also loads every kernel). runtime.capture: eager
-// records the (bucket, layer, window 0) graphs of every layer that has weights at the first
-// begin_forward (weights must be set by then; graphs of later windows are recorded lazily).
+// records the (bucket, layer, window 0) graphs of every layer that has weights and pools at the
+// first begin_forward (set the weights, and with pools.external the pools, by then; graphs of
+// later windows are recorded lazily).
 // Setting weights with different pointers makes that layer's graphs stale: they are
 // re-recorded on next use (cudaGraphExecUpdate first). runtime.graphs: false or set_eager(true)
 // runs the same steps eagerly.
@@ -107,9 +108,10 @@ struct BatchView {
 // r gate rank). The module neither copies nor frees them: they must outlive its use of them.
 struct LayerWeights {
   const void* in_proj = nullptr;        // (in_proj_rows, D) bf16: rows q|k|v|b|f_a|g_a
-  // Rows of in_proj: 0 or in_proj_cols() (3P + H + 2r), or in_proj_stride() when the weight is
-  // padded with rows that are never read back (zeros, say). The padded width lets the in_proj
-  // GEMM run with N a multiple of 16, a much faster width (docs/perf.md).
+  // Rows of in_proj: in_proj_cols() (3P + H + 2r), also written 0 (the unpadded weight), or
+  // in_proj_stride() when the weight is padded with rows that are never read back (zeros, say).
+  // The padded width lets the in_proj GEMM run with N a multiple of 16, a much faster width
+  // (docs/perf.md).
   int64_t in_proj_rows = 0;
   const float* conv_weight = nullptr;   // (3P, 4) fp32
   const void* f_b = nullptr;            // (P, r) bf16
@@ -126,6 +128,8 @@ struct ConvStateStrides {
   int64_t line = 0, dim = 0, tap = 0;  // channel c's tap j of line l: [l * line + c * dim + j * tap]
 };
 struct RecurrentStateStrides {
+  // head h's element (key channel i, value channel j) of line l:
+  // [l * line + h * head + i * k + j * v]
   int64_t line = 0, head = 0, k = 0, v = 0;
 };
 
@@ -221,7 +225,11 @@ class PrefillModule {
   // write the batch's hidden states into hidden_states() rows [0, T) before run_layer.
   void* hidden_states();
   const void* output() const;
-  // The conv planes q, k, v: (3, capacity, P) bf16, plane i at conv_planes() + i*capacity*P.
+  // The conv planes q, k, v, bf16 rows of P: plane i at conv_planes() + i*capacity*P, its rows
+  // [0, capacity) the batch's (capacity = runtime.batch_token_capacity()). The buffer has
+  // 2*capacity + windows*largest bucket rows (windows = ceil(capacity / largest bucket)): the
+  // last window's bucket rows of plane 2 reach past capacity when capacity is not a multiple of
+  // the largest bucket.
   const void* conv_planes() const;
   const void* in_proj_output() const;  // (largest bucket, in_proj_stride) bf16 scratch
   // This layer's pools: conv (cache_lines, 3P, 3) and recurrent (cache_lines, H, 128, 128) in
@@ -296,6 +304,9 @@ class PrefillModule {
   // Validates the batch on the host (throws, writing nothing, on error), picks the bucket or
   // splits it into windows of the largest bucket, stages all metadata with one async copy.
   // The previous batch is dropped first: after a throw no batch is staged.
+  // May block the host: the staging is a ring of 4 pinned buffers, and refilling one waits for
+  // its copy 4 forwards back, so the host runs at most 4 forwards ahead of the GPU
+  // (docs/design.md); with runtime.capture: eager it also records the graphs (see Graphs above).
   void begin_forward(const BatchView& batch, Stream stream);
   // Runs one layer over the batch of the last begin_forward: replays (capturing on first use)
   // the graph of each window's bucket, or launches the steps eagerly when graphs are off.

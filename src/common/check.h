@@ -31,6 +31,12 @@ inline bool fail(std::string* why, std::string reason) {
 #define KDA_FAIL(function, ...) \
   throw ::kda::Error((function), ::kda::detail::str_cat(__VA_ARGS__), __FILE__, __LINE__)
 
+// KDA_FAIL_AT_INPUT("kda::load_config", file, ":", line, ": ", what): for an error whose message
+// names its place in the user's input (a config's file:line: key path). what() then carries no
+// library source location: that would name a helper of the parser, not anything the user fixes.
+#define KDA_FAIL_AT_INPUT(function, ...) \
+  throw ::kda::Error((function), ::kda::detail::str_cat(__VA_ARGS__), nullptr, 0)
+
 #define KDA_CHECK(cond, function, ...)   \
   do {                                   \
     if (!(cond)) KDA_FAIL(function, __VA_ARGS__); \

@@ -8,7 +8,8 @@ namespace kda {
 namespace {
 std::string compose(const std::string& function, const std::string& message, const char* file,
                     int line) {
-  std::string where = file ? file : "?";
+  if (!file) return function + ": " + message;  // the message names its own location
+  std::string where = file;
   // Keep the path relative to the source tree: "src/conv/packed_conv.cu", not the build path.
   for (const char* root : {"/src/", "/graphs/", "/include/"}) {
     auto pos = where.rfind(root);

@@ -3,7 +3,8 @@
 // line is stored in the chosen type:
 //   - a load widens exactly (bf16 is the top half of an fp32);
 //   - a bf16 store rounds to nearest, ties to even, as __float2bfloat16_rn does (every NaN
-//     becomes 0x7FFF, overflow gives infinity): 8 significant bits, relative error <= 2^-9.
+//     becomes 0x7FFF, overflow gives infinity): 8 significant bits, so a relative error of at
+//     most 2^-8 (half a unit in the 8th bit).
 // The choice is a run-time flag, not a template parameter: pool lines are read once and written
 // once per sequence (and per checkpoint), so the branch costs nothing measurable and no kernel
 // is instantiated twice. Host and device (the CPU emulations include it).

@@ -33,7 +33,7 @@ class Validator {
         where += str_cat(':', it->second);
       where += ": ";
     }
-    KDA_FAIL("kda::validate_config", where, path, ": ", what);
+    KDA_FAIL_AT_INPUT("kda::validate_config", where, path, ": ", what);
   }
 
   void in_range(const std::string& path, int64_t value, int64_t lo, int64_t hi,

@@ -117,7 +117,7 @@ class Reader {
   [[noreturn]] void fail(int line, const std::string& path, const std::string& what) const {
     std::string where = where_.file;
     if (line > 0) where += str_cat(':', line);
-    KDA_FAIL(function_, where, ": ", path.empty() ? "" : path + ": ", what);
+    KDA_FAIL_AT_INPUT(function_, where, ": ", path.empty() ? "" : path + ": ", what);
   }
 
   // The entries of a map node keyed by name, after rejecting a non-map, non-scalar keys,
@@ -375,7 +375,7 @@ Config parse(const std::string& yaml_text, const std::string& source, const char
 
 std::string read_file(const std::string& path) {
   std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (!file) KDA_FAIL("kda::load_config", path, ": cannot open the config file: ", std::strerror(errno));
+  if (!file) KDA_FAIL_AT_INPUT("kda::load_config", path, ": cannot open the config file: ", std::strerror(errno));
   std::string text;
   char buffer[1 << 14];
   std::size_t got = 0;
@@ -384,7 +384,7 @@ std::string read_file(const std::string& path) {
   const int read_errno = errno;
   std::fclose(file);
   if (read_error)
-    KDA_FAIL("kda::load_config", path, ": cannot read the config file: ", std::strerror(read_errno));
+    KDA_FAIL_AT_INPUT("kda::load_config", path, ": cannot read the config file: ", std::strerror(read_errno));
   return text;
 }
 

@@ -62,7 +62,8 @@ void PrefillModule::Impl::bump_version(int layer) {
 void PrefillModule::Impl::set_pools(int layer, const StatePools& p, const char* fn) {
   check_layer(layer, fn);
   KDA_CHECK(config.pools.external, fn, "pools.external is false: the module owns its pools, which cannot be replaced");
-  KDA_CHECK(p.conv != nullptr && p.recurrent != nullptr, fn, "layer ", layer, ": pools.conv and pools.recurrent must be set");
+  KDA_CHECK(p.conv != nullptr && p.recurrent != nullptr, fn, "layer ", layer, ": ", p.conv ? "" : "pools.conv",
+            p.conv || p.recurrent ? "" : " and ", p.recurrent ? "" : "pools.recurrent", p.conv || p.recurrent ? " is" : " are", " null; both pools must be set");
   struct Named {
     const void* ptr;
     DType dtype;

@@ -477,7 +477,7 @@ TEST_CASE("kda_prep_recurrence on bf16 state pools: the fp32 state, widened from
   // The kernel carries the state in fp32 and touches a bf16 pool only to load a line (widened,
   // exactly) and to store one (rounded to nearest even). So, against the float64 reference
   // started from the widened initial lines, o and the final lines stay within the fp32 pools'
-  // tolerances (the store adds at most 2^-9 relative per element); and the same launch on an
+  // tolerances (the store adds at most 2^-8 relative per element); and the same launch on an
   // fp32 pool holding those widened lines computes the same registers: o bit for bit, and
   // every bf16 line written is the fp32 run's line rounded. Both layouts, both gates.
   const std::vector<int32_t> lengths = {1, 16, 17, 65, 130};

@@ -903,7 +903,15 @@ TEST_CASE("external pools give the bits of module-owned pools, keep their graphs
                        kda::Error);
   kda::StatePools bad = pools[0]->view;
   bad.conv = nullptr;
-  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("pools.conv and pools.recurrent must be set"),
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad), doctest::Contains("layer 0: pools.conv is null; both pools must be set"),
+                       kda::Error);
+  bad = pools[0]->view;
+  bad.recurrent = nullptr;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad),
+                       doctest::Contains("layer 0: pools.recurrent is null; both pools must be set"), kda::Error);
+  bad.conv = nullptr;
+  CHECK_THROWS_WITH_AS(m.set_layer_pools(0, bad),
+                       doctest::Contains("layer 0: pools.conv and pools.recurrent are null; both pools must be set"),
                        kda::Error);
   bad = pools[0]->view;
   bad.lines = lines - 1;
