@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cuda_check.h"
 #include "common/device_memory.h"
 #include "host_data.h"
 #include "prefix_sharing.h"
@@ -495,7 +496,7 @@ Timing time_forwards(kda::PrefillModule& m, const HostBatch& batch, int iters, c
 
 #if KDA_HAVE_NCCL
 void cuda_try(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
+  kda::detail::check_cuda(e, "prefill_driver --tp", what, __FILE__, __LINE__);
 }
 
 template <typename T>

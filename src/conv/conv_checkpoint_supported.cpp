@@ -1,12 +1,9 @@
 // conv_checkpoint_supported(): which arguments the conv-state checkpoint kernel runs. Reads no
 // device memory; pointers are only checked for null, alignment and overlap.
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <limits>
 #include <string>
-#include <utility>
 
+#include "common/arg_checks.h"
 #include "common/check.h"
 #include "common/state_storage.h"
 #include "conv/conv_checkpoint.h"
@@ -15,44 +12,18 @@ namespace kda {
 
 namespace {
 
-constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 // CUDA's grid limits: entries on x, column blocks on y.
 constexpr int64_t kMaxGridX = 2147483647;
 constexpr int64_t kMaxGridY = 65535;
 
-bool aligned_to(const void* p, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
-}
-
-// a * b + c for non-negative operands, or -1 when it exceeds int64.
-int64_t mul_add_or_overflow(int64_t a, int64_t b, int64_t c) {
-  if (c < 0) return -1;
-  if (a != 0 && b > (kInt64Max - c) / a) return -1;
-  return a * b + c;
-}
-
-// Elements spanned by an array of three dimensions (size, element stride) when it maps distinct
-// indices to distinct elements (sorted by stride, each stride steps over the whole extent of the
-// smaller ones), else -1 (also on overflow). As packed_conv_supported.cpp checks the states.
-int64_t extent_without_overlap(std::array<std::pair<int64_t, int64_t>, 3> dims) {
-  std::sort(dims.begin(), dims.end(),
-            [](const auto& a, const auto& b) { return a.second < b.second; });
-  int64_t extent = 1;
-  for (const auto& [size, stride] : dims) {
-    if (size <= 1) continue;
-    if (stride < extent) return -1;
-    const int64_t next = mul_add_or_overflow(stride, size - 1, extent);
-    if (next < 0) return -1;
-    extent = next;
-  }
-  return extent;
-}
-
 }  // namespace
 
 bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
+  using detail::aligned_to;
   using detail::fail;
+  using detail::kInt32Max;
+  using detail::kInt64Max;
+  using detail::mul_add_or_overflow;
   using detail::str_cat;
   if (a.max_entries < 0) return fail(why, str_cat("max_entries ", a.max_entries, " is negative"));
   if (a.max_entries > kMaxGridX)
@@ -94,7 +65,7 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
   if (a.state_stride_line < 0 || a.state_stride_dim < 0 || a.state_stride_tap < 0)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
                              ", ", a.state_stride_tap, ") must not be negative"));
-  const int64_t state_elems = extent_without_overlap(
+  const int64_t state_elems = detail::strided_extent<3>(
       {{{a.num_cache_lines, a.state_stride_line}, {a.dim, a.state_stride_dim}, {3, a.state_stride_tap}}});
   if (state_elems < 0 || state_elems > kInt64Max / state_elem)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
@@ -123,12 +94,10 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
 
   // The kernel writes conv_states while it reads x: the two must not overlap.
   if (a.num_tokens > 0) {
-    const auto x_begin = reinterpret_cast<std::uintptr_t>(a.x);
-    const std::uintptr_t x_end =
-        x_begin + static_cast<std::uintptr_t>(((a.num_tokens - 1) * a.x_row_stride + a.dim) * 2);
-    const auto s_begin = reinterpret_cast<std::uintptr_t>(a.conv_states);
-    const std::uintptr_t s_end = s_begin + static_cast<std::uintptr_t>(state_elems * state_elem);
-    if (x_begin < s_end && s_begin < x_end) return fail(why, "conv_states overlaps x");
+    const auto x_bytes = static_cast<std::size_t>(((a.num_tokens - 1) * a.x_row_stride + a.dim) * 2);
+    const auto state_bytes = static_cast<std::size_t>(state_elems * state_elem);
+    if (detail::byte_ranges_overlap(a.x, x_bytes, a.conv_states, state_bytes))
+      return fail(why, "conv_states overlaps x");
   }
 
   if (why) why->clear();

@@ -2,16 +2,13 @@
 
 #include <cstdint>
 
+#include "common/arg_checks.h"
 #include "common/check.h"
 #include "common/varlen_map.h"
 
 namespace kda::conv {
 
 namespace {
-
-bool aligned(const void* p, int64_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(bytes) == 0;
-}
 
 int log2_exact(int64_t v) {
   int s = 0;
@@ -28,8 +25,9 @@ bool vec_fits(const PackedConvArgs& args, int vec) {
   const int64_t elem = static_cast<int64_t>(dtype_size(args.x_dtype));
   const int64_t access = vec * elem < 16 ? vec * elem : 16;
   if (args.part_dim % (32 * vec) != 0) return false;
-  return aligned(args.x, access) && (args.x_row_stride * elem) % access == 0 &&
-         aligned(args.out, access) && (resolved_plane_stride(args) * elem) % access == 0 &&
+  const auto access_bytes = static_cast<std::size_t>(access);
+  return detail::aligned_to(args.x, access_bytes) && (args.x_row_stride * elem) % access == 0 &&
+         detail::aligned_to(args.out, access_bytes) && (resolved_plane_stride(args) * elem) % access == 0 &&
          (args.part_dim * elem) % access == 0;
 }
 

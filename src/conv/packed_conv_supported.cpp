@@ -2,13 +2,11 @@
 // conv::args_supported() (everything but the grid) and check_grid() of the default launch
 // shape. Reads no device memory; pointers are only checked for null and alignment. Strides are
 // in elements of each array's type (the conv states' is state_dtype).
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <utility>
 
+#include "common/arg_checks.h"
 #include "common/check.h"
 #include "common/state_storage.h"
 #include "conv/conv_params.h"
@@ -16,44 +14,14 @@
 
 namespace kda {
 
-namespace {
-
-constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
-
-bool aligned_to(const void* p, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
-}
-
-// a * b + c for non-negative operands, or -1 when it exceeds int64.
-int64_t mul_add_or_overflow(int64_t a, int64_t b, int64_t c) {
-  if (c < 0) return -1;
-  if (a != 0 && b > (kInt64Max - c) / a) return -1;
-  return a * b + c;
-}
-
-// Whether an array of three dimensions (size, element stride) maps distinct indices to distinct
-// elements: sorted by stride, each stride must step over the whole extent of the smaller ones.
-bool strides_do_not_overlap(std::array<std::pair<int64_t, int64_t>, 3> dims) {
-  std::sort(dims.begin(), dims.end(),
-            [](const auto& a, const auto& b) { return a.second < b.second; });
-  int64_t extent = 1;  // elements spanned by the dimensions sorted so far
-  for (const auto& [size, stride] : dims) {
-    if (size <= 1) continue;
-    if (stride < extent) return false;
-    const int64_t next = mul_add_or_overflow(stride, size - 1, extent);
-    if (next < 0) return false;
-    extent = next;
-  }
-  return true;
-}
-
-}  // namespace
-
 namespace conv {
 
 bool args_supported(const PackedConvArgs& a, std::string* why) {
+  using detail::aligned_to;
   using detail::fail;
+  using detail::kInt32Max;
+  using detail::kInt64Max;
+  using detail::mul_add_or_overflow;
   using detail::str_cat;
   const int dtype_value = static_cast<int>(a.x_dtype);
   if (dtype_value < static_cast<int>(DType::BF16) || dtype_value > static_cast<int>(DType::FP32))
@@ -132,9 +100,9 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ",
                              a.state_stride_dim, ", ", a.state_stride_tap,
                              ") must not be negative"));
-  if (!strides_do_not_overlap({{{a.num_cache_lines, a.state_stride_line},
-                                {a.dim, a.state_stride_dim},
-                                {a.state_len, a.state_stride_tap}}}))
+  if (detail::strided_extent<3>({{{a.num_cache_lines, a.state_stride_line},
+                                  {a.dim, a.state_stride_dim},
+                                  {a.state_len, a.state_stride_tap}}}) < 0)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ",
                              a.state_stride_dim, ", ", a.state_stride_tap,
                              ") make different (line, channel, tap) elements overlap or "
@@ -165,11 +133,9 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
       return fail(why, "x's extent (num_tokens, x_row_stride) overflows 64-bit addressing");
     if (out_elems < 0 || out_elems > kInt64Max / e)
       return fail(why, "out's extent (planes, out_plane_stride) overflows 64-bit addressing");
-    const auto x_begin = reinterpret_cast<std::uintptr_t>(a.x);
-    const auto out_begin = reinterpret_cast<std::uintptr_t>(a.out);
-    const std::uintptr_t x_end = x_begin + static_cast<std::uintptr_t>(x_elems * e);
-    const std::uintptr_t out_end = out_begin + static_cast<std::uintptr_t>(out_elems * e);
-    if (x_begin < out_end && out_begin < x_end) return fail(why, "out overlaps x");
+    if (detail::byte_ranges_overlap(a.x, static_cast<std::size_t>(x_elems * e), a.out,
+                                    static_cast<std::size_t>(out_elems * e)))
+      return fail(why, "out overlaps x");
   }
 
   return true;

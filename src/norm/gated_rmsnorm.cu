@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "common/arg_checks.h"
 #include "common/check.h"
 #include "common/cuda_check.h"
 #include "common/device_math.cuh"
@@ -73,16 +74,13 @@ __global__ void __launch_bounds__(Traits::kThreads) gated_rmsnorm_kernel(const R
   store4_bf16(p.y + row * p.y_stride + col, y);
 }
 
-bool aligned_to(const void* ptr, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
-}
-
 }  // namespace
 
 bool gated_rmsnorm_supported(const GatedRmsNormArgs& a, std::string* why) {
+  using detail::aligned_to;
   using detail::fail;
+  using detail::kInt32Max;
   using detail::str_cat;
-  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   if (a.head_dim != kHeadDim)
     return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
   if (a.num_heads < 1 || a.num_heads > 65535)

@@ -3,13 +3,11 @@
 #include "recurrence/recurrence_params.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <string>
-#include <utility>
 
+#include "common/arg_checks.h"
 #include "common/check.h"
 #include "common/state_storage.h"
 #include "common/varlen_map.h"
@@ -17,25 +15,6 @@
 
 namespace kda {
 namespace {
-
-bool aligned_to(const void* ptr, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
-}
-
-// Whether (size, stride) dimensions map distinct indices to distinct elements: sorted by
-// stride, each stride must step past everything the smaller ones span.
-bool strides_disjoint(std::array<std::pair<int64_t, int64_t>, 4> dims) {
-  std::sort(dims.begin(), dims.end(),
-            [](const auto& a, const auto& b) { return a.second < b.second; });
-  int64_t extent = 1;
-  for (const auto& [size, stride] : dims) {
-    if (size <= 1) continue;
-    if (stride < extent) return false;
-    if (stride > (std::numeric_limits<int64_t>::max() - extent) / (size - 1)) return false;
-    extent += stride * (size - 1);
-  }
-  return true;
-}
 
 // `bf16` advanced by `elements` 2-byte elements (the type is incomplete on the host).
 const __nv_bfloat16* bf16_offset(const void* bf16, int64_t elements) {
@@ -46,11 +25,12 @@ const __nv_bfloat16* bf16_offset(const void* bf16, int64_t elements) {
 }  // namespace
 
 bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why) {
+  using detail::aligned_to;
   using detail::fail;
+  using detail::kInt32Max;
   using detail::str_cat;
   using recurrence::kHeadDim;
   using recurrence::kMaxHeads;
-  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   if (a.head_dim != kHeadDim)
     return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
   if (a.num_heads < 1 || a.num_heads > kMaxHeads)
@@ -105,10 +85,10 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
   if (a.state_stride_line <= 0 || a.state_stride_head <= 0 || a.state_stride_k <= 0 ||
       a.state_stride_v <= 0)
     return fail(why, "the state strides (line, head, k, v) must be positive");
-  if (!strides_disjoint({{{a.cache_lines, a.state_stride_line},
-                          {a.num_heads, a.state_stride_head},
-                          {kHeadDim, a.state_stride_k},
-                          {kHeadDim, a.state_stride_v}}}))
+  if (detail::strided_extent<4>({{{a.cache_lines, a.state_stride_line},
+                                  {a.num_heads, a.state_stride_head},
+                                  {kHeadDim, a.state_stride_k},
+                                  {kHeadDim, a.state_stride_v}}}) < 0)
     return fail(why, str_cat("the state strides (line ", a.state_stride_line, ", head ",
                              a.state_stride_head, ", k ", a.state_stride_k, ", v ",
                              a.state_stride_v, ") make state elements overlap"));
