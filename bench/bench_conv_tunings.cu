@@ -110,18 +110,18 @@ void make_batch(Batch& b) {
     a.x_row_stride = kRowStride;
     a.weight = b.weight.as<float>();
     a.conv_states = s.state.as<float>();
-    a.num_cache_lines = b.lines;
+    a.varlen.cache_lines = b.lines;
     a.state_len = kStateLen;
     a.state_stride_line = kDim * kStateLen;
     a.state_stride_dim = kStateLen;
     a.state_stride_tap = 1;
-    a.query_start_loc = b.qsl.as<int32_t>();
-    a.num_seqs = b.seqs;
-    a.cache_indices = b.cache.as<int32_t>();
-    a.has_initial_state = b.flags.as<bool>();
+    a.varlen.query_start_loc = b.qsl.as<int32_t>();
+    a.varlen.num_seqs = b.seqs;
+    a.varlen.cache_indices = b.cache.as<int32_t>();
+    a.varlen.has_initial_state = b.flags.as<bool>();
     a.part_dim = kPartDim;
     a.silu = true;
-    a.null_block_id = 0;
+    a.varlen.null_line = 0;
     a.out = s.out.get();
   }
   BENCH_CUDA(cudaDeviceSynchronize());

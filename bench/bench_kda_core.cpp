@@ -102,11 +102,11 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   kda::PrepRecurrenceArgs a;
   a.num_heads = heads;
   a.num_tokens = tokens;
-  a.max_seqs = seqs;
-  a.query_start_loc = d_qsl.as<int32_t>();
-  a.cache_indices = d_lines.as<int32_t>();
-  a.has_initial_state = d_init.as<bool>();
-  a.null_line = 0;
+  a.varlen.num_seqs = seqs;
+  a.varlen.query_start_loc = d_qsl.as<int32_t>();
+  a.varlen.cache_indices = d_lines.as<int32_t>();
+  a.varlen.has_initial_state = d_init.as<bool>();
+  a.varlen.null_line = 0;
   a.q = q.get();
   a.k = k.get();
   a.v = v.get();
@@ -120,7 +120,7 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   a.dt_bias = dt_bias.as<float>();
   a.states = pool.get();
   a.state_dtype = kda::DType::FP32;  // state_bytes below counts 4-byte elements
-  a.cache_lines = seqs + 1;
+  a.varlen.cache_lines = seqs + 1;
   a.state_stride_line = heads * kD * kD;
   a.state_stride_head = kD * kD;
   a.state_stride_k = kD;

@@ -17,7 +17,7 @@ namespace {
 // CTA (x, y): entry x, channels [y * kConvCheckpointChannelsPerCta, ...), one per thread, its 3
 // taps read before any is written. An unused or malformed entry returns at once.
 __global__ void __launch_bounds__(kConvCheckpointChannelsPerCta)
-conv_checkpoint_kernel(const ConvCheckpointArgs a) {
+conv_checkpoint_kernel(const ConvCheckpointParams a) {
   const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvCheckpointChannelsPerCta + threadIdx.x;
   if (c >= a.dim) return;
   const CheckpointSource s = checkpoint_source(a, blockIdx.x);
@@ -44,7 +44,7 @@ void conv_checkpoint(const ConvCheckpointArgs& args, Stream stream) {
       (args.dim + kConvCheckpointChannelsPerCta - 1) / kConvCheckpointChannelsPerCta;
   const dim3 grid(static_cast<unsigned>(args.max_entries), static_cast<unsigned>(col_blocks));
   conv::conv_checkpoint_kernel<<<grid, kConvCheckpointChannelsPerCta, 0,
-                                 static_cast<cudaStream_t>(stream)>>>(args);
+                                 static_cast<cudaStream_t>(stream)>>>(conv::make_checkpoint_params(args));
   KDA_CUDA_CHECK(kFn, cudaGetLastError());
 }
 

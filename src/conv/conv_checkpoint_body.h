@@ -27,13 +27,13 @@ struct CheckpointSource {
 
 // Entry i's source, or dst -1 for an unused entry (line < 0) and for every malformed one
 // (conv_checkpoint.h lists the checks): nothing it then describes is out of bounds.
-KDA_HOST_DEVICE inline CheckpointSource checkpoint_source(const ConvCheckpointArgs& a, int64_t i) {
+KDA_HOST_DEVICE inline CheckpointSource checkpoint_source(const ConvCheckpointParams& a, int64_t i) {
   CheckpointSource s;
   const CheckpointEntry e = a.entries[i];
-  if (e.line < 0 || e.line >= a.num_cache_lines || e.line == a.null_line) return s;
+  if (e.line < 0 || e.line >= a.cache_lines || e.line == a.null_line) return s;
   if (e.seq < 0 || e.seq >= a.num_seqs) return s;
   const int64_t line = a.cache_indices[e.seq];
-  if (line == a.null_line || line < 0 || line >= a.num_cache_lines || line == e.line) return s;
+  if (line == a.null_line || line < 0 || line >= a.cache_lines || line == e.line) return s;
   const int64_t bos = a.query_start_loc[e.seq];
   const int64_t eos = a.query_start_loc[e.seq + 1];
   if (bos < 0 || eos < bos || eos > a.num_tokens) return s;
@@ -50,7 +50,7 @@ KDA_HOST_DEVICE inline CheckpointSource checkpoint_source(const ConvCheckpointAr
 // Tap j (0 oldest, 2 most recent) of channel c of the checkpoint of a valid source s: the
 // input row end - 3 + j of the sequence, or for a row before its first, the old tap 3 + r of
 // its line (with an initial state) or zero.
-KDA_HOST_DEVICE inline float checkpoint_value(const ConvCheckpointArgs& a, const CheckpointSource& s,
+KDA_HOST_DEVICE inline float checkpoint_value(const ConvCheckpointParams& a, const CheckpointSource& s,
                                               int64_t c, int j) {
   const int64_t r = s.end - 3 + j;
   if (r >= 0)
@@ -65,14 +65,14 @@ KDA_HOST_DEVICE inline float checkpoint_value(const ConvCheckpointArgs& a, const
 // Stores v as the element (channel c, tap j) of a valid source's checkpoint line, in the pool's
 // type. A bf16 store rounds, which changes no value here: v is a bf16 input or a tap of the same
 // pool (a NaN is stored as the canonical 0x7FFF, as the packed conv stores it).
-KDA_HOST_DEVICE inline void checkpoint_store(const ConvCheckpointArgs& a, const CheckpointSource& s,
+KDA_HOST_DEVICE inline void checkpoint_store(const ConvCheckpointParams& a, const CheckpointSource& s,
                                              int64_t c, int j, float v) {
   store_state_elem(a.conv_states, s.dst + c * a.state_stride_dim + j * a.state_stride_tap, v,
                    a.state_dtype == DType::BF16);
 }
 
 // One element: writes tap j of channel c of entry source s (nothing when s is not valid).
-KDA_HOST_DEVICE inline void checkpoint_element(const ConvCheckpointArgs& a, const CheckpointSource& s,
+KDA_HOST_DEVICE inline void checkpoint_element(const ConvCheckpointParams& a, const CheckpointSource& s,
                                                int64_t c, int j) {
   if (s.dst < 0) return;
   checkpoint_store(a, s, c, j, checkpoint_value(a, s, c, j));

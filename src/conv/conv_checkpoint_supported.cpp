@@ -40,9 +40,9 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
   if (a.num_tokens > kInt32Max)
     return fail(why, str_cat("num_tokens ", a.num_tokens,
                              " exceeds 2147483647 (query_start_loc is int32)"));
-  if (a.num_seqs < 0) return fail(why, str_cat("num_seqs ", a.num_seqs, " is negative"));
-  if (a.num_seqs >= kInt32Max)
-    return fail(why, str_cat("num_seqs ", a.num_seqs, " must be below 2147483647"));
+  if (a.varlen.num_seqs < 0) return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " is negative"));
+  if (a.varlen.num_seqs >= kInt32Max)
+    return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " must be below 2147483647"));
   if (a.x_row_stride < a.dim)
     return fail(why, str_cat("x_row_stride ", a.x_row_stride, " is smaller than dim ", a.dim));
   if (a.num_tokens > 0) {
@@ -50,8 +50,8 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
     if (x_elems < 0 || x_elems > kInt64Max / 2)
       return fail(why, "x's extent (num_tokens, x_row_stride) overflows 64-bit addressing");
   }
-  if (a.num_cache_lines < 1)
-    return fail(why, str_cat("num_cache_lines ", a.num_cache_lines, " must be at least 1"));
+  if (a.varlen.cache_lines < 1)
+    return fail(why, str_cat("cache_lines ", a.varlen.cache_lines, " must be at least 1"));
   // The pool holds bf16 inputs (and copies of its own taps): fp32 and bf16 both hold them exactly.
   const int state_dtype_value = static_cast<int>(a.state_dtype);
   if (state_dtype_value < static_cast<int>(DType::BF16) ||
@@ -66,7 +66,7 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
                              ", ", a.state_stride_tap, ") must not be negative"));
   const int64_t state_elems = detail::strided_extent<3>(
-      {{{a.num_cache_lines, a.state_stride_line}, {a.dim, a.state_stride_dim}, {3, a.state_stride_tap}}});
+      {{{a.varlen.cache_lines, a.state_stride_line}, {a.dim, a.state_stride_dim}, {3, a.state_stride_tap}}});
   if (state_elems < 0 || state_elems > kInt64Max / state_elem)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ", a.state_stride_dim,
                              ", ", a.state_stride_tap,
@@ -79,14 +79,14 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
   }
   if (!a.x) return fail(why, "x is null");
   if (!a.conv_states) return fail(why, "conv_states is null");
-  if (!a.query_start_loc) return fail(why, "query_start_loc is null");
-  if (!a.cache_indices) return fail(why, "cache_indices is null");
+  if (!a.varlen.query_start_loc) return fail(why, "query_start_loc is null");
+  if (!a.varlen.cache_indices) return fail(why, "cache_indices is null");
   if (!a.entries) return fail(why, "entries is null");
   if (!aligned_to(a.x, 2)) return fail(why, "x is not aligned to its 2-byte bf16 elements");
   if (!aligned_to(a.conv_states, static_cast<std::size_t>(state_elem)))
     return fail(why, str_cat("conv_states is not aligned to its ", state_elem, "-byte ",
                              dtype_name(a.state_dtype), " elements (state_dtype)"));
-  if (!aligned_to(a.query_start_loc, 4) || !aligned_to(a.cache_indices, 4))
+  if (!aligned_to(a.varlen.query_start_loc, 4) || !aligned_to(a.varlen.cache_indices, 4))
     return fail(why, "query_start_loc and cache_indices must be aligned to their 4-byte elements");
   if (!aligned_to(a.entries, alignof(CheckpointEntry)))
     return fail(why, str_cat("entries is not aligned to its ", alignof(CheckpointEntry),
@@ -103,5 +103,31 @@ bool conv_checkpoint_supported(const ConvCheckpointArgs& a, std::string* why) {
   if (why) why->clear();
   return true;
 }
+
+namespace conv {
+
+ConvCheckpointParams make_checkpoint_params(const ConvCheckpointArgs& a) {
+  ConvCheckpointParams p;
+  p.x = a.x;
+  p.x_row_stride = a.x_row_stride;
+  p.num_tokens = a.num_tokens;
+  p.dim = a.dim;
+  p.conv_states = a.conv_states;
+  p.state_dtype = a.state_dtype;
+  p.cache_lines = a.varlen.cache_lines;
+  p.state_stride_line = a.state_stride_line;
+  p.state_stride_dim = a.state_stride_dim;
+  p.state_stride_tap = a.state_stride_tap;
+  p.query_start_loc = a.varlen.query_start_loc;
+  p.num_seqs = a.varlen.num_seqs;
+  p.cache_indices = a.varlen.cache_indices;
+  p.has_initial_state = a.varlen.has_initial_state;
+  p.null_line = a.varlen.null_line.value_or(-1);
+  p.entries = a.entries;
+  p.max_entries = a.max_entries;
+  return p;
+}
+
+}  // namespace conv
 
 }  // namespace kda

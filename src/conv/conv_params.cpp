@@ -89,7 +89,7 @@ std::string check_tuning_values(const PackedConvArgs& args, const ConvTuning& tu
 
 std::string check_tuning(const PackedConvArgs& args, const ConvTuning& tuning) {
   std::string why = check_tuning_values(args, tuning);
-  if (why.empty() && args.num_tokens > 0 && args.num_seqs > 0)
+  if (why.empty() && args.num_tokens > 0 && args.varlen.num_seqs > 0)
     why = check_grid(make_params(args, tuning));
   return why;
 }
@@ -116,24 +116,24 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.weight = args.weight;
   p.bias = args.bias;
   p.conv_states = args.conv_states;
-  p.query_start_loc = args.query_start_loc;
-  p.cache_indices = args.cache_indices;
-  p.has_initial_state = args.has_initial_state;
+  p.query_start_loc = args.varlen.query_start_loc;
+  p.cache_indices = args.varlen.cache_indices;
+  p.has_initial_state = args.varlen.has_initial_state;
   p.num_tokens = args.num_tokens;
-  p.num_seqs = args.num_seqs;
+  p.num_seqs = args.varlen.num_seqs;
   p.dim = args.dim;
   p.part_dim = args.part_dim;
   p.x_row_stride = args.x_row_stride;
   p.weight_stride_dim = args.weight_stride_dim;
   p.weight_stride_tap = args.weight_stride_tap;
-  p.num_cache_lines = args.num_cache_lines;
+  p.cache_lines = args.varlen.cache_lines;
   p.state_stride_line = args.state_stride_line;
   p.state_stride_dim = args.state_stride_dim;
   p.state_stride_tap = args.state_stride_tap;
   p.cache_indices_stride = args.cache_indices_stride;
   p.out_plane_stride = resolved_plane_stride(args);
-  p.has_null_block = args.null_block_id.has_value();
-  p.null_block_id = args.null_block_id.value_or(0);
+  p.has_null_line = args.varlen.null_line.has_value();
+  p.null_line = args.varlen.null_line.value_or(0);
   p.silu = args.silu;
   p.x_dtype = args.x_dtype;
   p.state_bf16 = args.state_dtype == DType::BF16;
@@ -143,11 +143,11 @@ PackedConvParams make_params(const PackedConvArgs& args, const ConvTuning& tunin
   p.num_col_blocks = args.dim / p.tile;
   const int chunk = tuning.chunk_len != 0 ? tuning.chunk_len : kDefaultChunkLen;
   p.chunk_shift = log2_exact(chunk);
-  p.search_steps = varlen::search_steps(args.num_seqs);
+  p.search_steps = varlen::search_steps(args.varlen.num_seqs);
   p.search_stride = varlen::search_stride(p.search_steps);
   p.planes = args.dim / args.part_dim;
   p.cols_per_plane = args.part_dim / p.tile;
-  p.programs_per_col_block = varlen::slot_count(args.num_tokens, args.num_seqs, p.chunk_shift);
+  p.programs_per_col_block = varlen::slot_count(args.num_tokens, args.varlen.num_seqs, p.chunk_shift);
   p.num_programs = p.programs_per_col_block * p.num_col_blocks;
   p.warps_per_cta = tuning.warps_per_cta != 0 ? tuning.warps_per_cta
                                              : default_warps_per_cta(args.num_tokens, p.cols_per_plane);

@@ -34,12 +34,12 @@ struct PackedConvParams {
   int64_t part_dim = 0;
   int64_t x_row_stride = 0;
   int64_t weight_stride_dim = 0, weight_stride_tap = 0;
-  int64_t num_cache_lines = 0;
+  int64_t cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   int64_t cache_indices_stride = 0;
   int64_t out_plane_stride = 0;  // resolved: never 0
-  int32_t null_block_id = 0;
-  bool has_null_block = false;
+  int32_t null_line = 0;
+  bool has_null_line = false;
   bool silu = true;
   DType x_dtype = DType::BF16;
   // The pool stores bf16 (state_dtype BF16, only with bf16 x): a line then holds the same bf16

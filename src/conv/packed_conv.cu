@@ -188,7 +188,7 @@ void run(const PackedConvArgs& args, const ConvTuning& tuning, Stream stream,
   if (!args_supported(args, &why)) KDA_FAIL(function, why);
   why = check_tuning_values(args, tuning);
   if (!why.empty()) KDA_FAIL(function, why);
-  if (args.num_tokens == 0 || args.num_seqs == 0) return;
+  if (args.num_tokens == 0 || args.varlen.num_seqs == 0) return;
   const PackedConvParams p = make_params(args, tuning);
   why = check_grid(p);
   if (!why.empty()) KDA_FAIL(function, why);

@@ -475,8 +475,8 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   // A carried chunk belongs to the sequence whose previous chunk ran, so its line was valid.
   if (!carried) {
     const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-    if (p.has_null_block && line == p.null_block_id) return false;
-    if (line < 0 || line >= p.num_cache_lines) return false;
+    if (p.has_null_line && line == p.null_line) return false;
+    if (line < 0 || line >= p.cache_lines) return false;
 
     if (pc.chunk == 0) {
       // Chunk 0 starts from the state (column 2 is the most recent, column 0 the oldest) or

@@ -46,8 +46,8 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
   if (!a.x) return fail(why, "x is null");
   if (!a.weight) return fail(why, "weight is null");
   if (!a.conv_states) return fail(why, "conv_states is null");
-  if (!a.query_start_loc) return fail(why, "query_start_loc is null");
-  if (!a.cache_indices) return fail(why, "cache_indices is null");
+  if (!a.varlen.query_start_loc) return fail(why, "query_start_loc is null");
+  if (!a.varlen.cache_indices) return fail(why, "cache_indices is null");
   if (!a.out) return fail(why, "out is null");
 
   const std::size_t elem = dtype_size(a.x_dtype);
@@ -58,7 +58,7 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
     return fail(why, str_cat("out is not aligned to its ", elem, "-byte ",
                              dtype_name(a.x_dtype), " elements"));
   if (!aligned_to(a.weight, 4) || (a.bias && !aligned_to(a.bias, 4)) ||
-      !aligned_to(a.query_start_loc, 4) || !aligned_to(a.cache_indices, 4))
+      !aligned_to(a.varlen.query_start_loc, 4) || !aligned_to(a.varlen.cache_indices, 4))
     return fail(why, "weight, bias, query_start_loc and cache_indices must be aligned to their "
                      "4-byte elements");
   const std::size_t state_elem = dtype_size(a.state_dtype);
@@ -70,9 +70,9 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
   if (a.num_tokens > kInt32Max)
     return fail(why, str_cat("num_tokens ", a.num_tokens,
                              " exceeds 2147483647 (query_start_loc is int32)"));
-  if (a.num_seqs < 0) return fail(why, str_cat("num_seqs ", a.num_seqs, " is negative"));
-  if (a.num_seqs >= kInt32Max)
-    return fail(why, str_cat("num_seqs ", a.num_seqs, " must be below 2147483647"));
+  if (a.varlen.num_seqs < 0) return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " is negative"));
+  if (a.varlen.num_seqs >= kInt32Max)
+    return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " must be below 2147483647"));
   if (a.part_dim <= 0) return fail(why, str_cat("part_dim ", a.part_dim, " must be positive"));
   if (a.part_dim % 64 != 0)
     return fail(why, str_cat("part_dim ", a.part_dim, " is not a multiple of 64"));
@@ -91,8 +91,8 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
       mul_add_or_overflow(a.dim - 1, a.weight_stride_dim, weight_taps_extent) < 0)
     return fail(why, "weight's extent (dim, strides) overflows 64-bit addressing");
 
-  if (a.num_cache_lines < 1)
-    return fail(why, str_cat("num_cache_lines ", a.num_cache_lines, " must be at least 1"));
+  if (a.varlen.cache_lines < 1)
+    return fail(why, str_cat("cache_lines ", a.varlen.cache_lines, " must be at least 1"));
   if (a.state_len < 3)
     return fail(why, str_cat("state_len ", a.state_len,
                              " is below 3 (the width-4 conv keeps 3 history columns)"));
@@ -100,7 +100,7 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ",
                              a.state_stride_dim, ", ", a.state_stride_tap,
                              ") must not be negative"));
-  if (detail::strided_extent<3>({{{a.num_cache_lines, a.state_stride_line},
+  if (detail::strided_extent<3>({{{a.varlen.cache_lines, a.state_stride_line},
                                   {a.dim, a.state_stride_dim},
                                   {a.state_len, a.state_stride_tap}}}) < 0)
     return fail(why, str_cat("conv_states strides (", a.state_stride_line, ", ",
@@ -110,7 +110,7 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
   if (a.cache_indices_stride < 1)
     return fail(why, str_cat("cache_indices_stride ", a.cache_indices_stride,
                              " must be at least 1"));
-  if (a.num_seqs > 0 && mul_add_or_overflow(a.num_seqs - 1, a.cache_indices_stride, 1) < 0)
+  if (a.varlen.num_seqs > 0 && mul_add_or_overflow(a.varlen.num_seqs - 1, a.cache_indices_stride, 1) < 0)
     return fail(why, "cache_indices' extent (num_seqs, cache_indices_stride) overflows 64-bit "
                      "addressing");
 
@@ -145,7 +145,7 @@ bool args_supported(const PackedConvArgs& a, std::string* why) {
 
 bool packed_causal_conv1d_supported(const PackedConvArgs& a, std::string* why) {
   if (!conv::args_supported(a, why)) return false;
-  if (a.num_tokens > 0 && a.num_seqs > 0) {
+  if (a.num_tokens > 0 && a.varlen.num_seqs > 0) {
     std::string grid = conv::check_grid(conv::make_params(a));
     if (!grid.empty()) return detail::fail(why, std::move(grid));
   }

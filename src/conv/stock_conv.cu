@@ -30,17 +30,17 @@ struct StockPartParams {
   const float* weight = nullptr;  // (part_dim, 4)
   int64_t weight_stride_dim = 0, weight_stride_tap = 0;
   const float* bias = nullptr;  // (part_dim) or nullptr
-  void* states = nullptr;       // (num_cache_lines, part_dim, >= 3), fp32 or bf16 elements
+  void* states = nullptr;       // (cache_lines, part_dim, >= 3), fp32 or bf16 elements
   bool states_bf16 = false;     // state_dtype BF16: taps widen on load, round back on store
-  int64_t num_cache_lines = 0;
+  int64_t cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   const int32_t* query_start_loc = nullptr;  // (num_seqs + 1)
   int64_t num_seqs = 0;
   const int32_t* cache_indices = nullptr;
   int64_t cache_indices_stride = 0;
   const bool* has_initial_state = nullptr;  // nullptr: no sequence has an initial state
-  bool has_null_block = false;
-  int32_t null_block_id = 0;
+  bool has_null_line = false;
+  int32_t null_line = 0;
   bool silu = true;
   float* x32 = nullptr;  // dense (num_tokens, part_dim) FP32 copy of the slice
   float* y32 = nullptr;  // dense (num_tokens, part_dim) FP32 conv output
@@ -48,11 +48,11 @@ struct StockPartParams {
 };
 
 // The cache line of sequence s, or -1 when the sequence is skipped (null block or a line
-// outside [0, num_cache_lines)).
+// outside [0, cache_lines)).
 __device__ int64_t line_of_sequence(const StockPartParams& p, int64_t s) {
   const int32_t line = p.cache_indices[s * p.cache_indices_stride];
-  if (p.has_null_block && line == p.null_block_id) return -1;
-  if (line < 0 || line >= p.num_cache_lines) return -1;
+  if (p.has_null_line && line == p.null_line) return -1;
+  if (line < 0 || line >= p.cache_lines) return -1;
   return line;
 }
 
@@ -187,7 +187,7 @@ void run_parts(const PackedConvArgs& a, void* workspace, Stream stream) {
   const unsigned threads = threads_for(a.part_dim);
   const unsigned col_blocks = static_cast<unsigned>((a.part_dim + threads - 1) / threads);
   const dim3 token_grid(static_cast<unsigned>(std::min(a.num_tokens, kMaxGridRows)), col_blocks);
-  const dim3 seq_grid(static_cast<unsigned>(std::min(a.num_seqs, kMaxGridRows)), col_blocks);
+  const dim3 seq_grid(static_cast<unsigned>(std::min(a.varlen.num_seqs, kMaxGridRows)), col_blocks);
   cudaStream_t s = stream;
   for (int64_t part = 0; part < parts; ++part) {
     const int64_t ch0 = part * a.part_dim;
@@ -202,17 +202,17 @@ void run_parts(const PackedConvArgs& a, void* workspace, Stream stream) {
     p.bias = a.bias ? a.bias + ch0 : nullptr;
     p.states_bf16 = a.state_dtype == DType::BF16;
     p.states = state_elem_ptr(a.conv_states, ch0 * a.state_stride_dim, p.states_bf16);
-    p.num_cache_lines = a.num_cache_lines;
+    p.cache_lines = a.varlen.cache_lines;
     p.state_stride_line = a.state_stride_line;
     p.state_stride_dim = a.state_stride_dim;
     p.state_stride_tap = a.state_stride_tap;
-    p.query_start_loc = a.query_start_loc;
-    p.num_seqs = a.num_seqs;
-    p.cache_indices = a.cache_indices;
+    p.query_start_loc = a.varlen.query_start_loc;
+    p.num_seqs = a.varlen.num_seqs;
+    p.cache_indices = a.varlen.cache_indices;
     p.cache_indices_stride = a.cache_indices_stride;
-    p.has_initial_state = a.has_initial_state;
-    p.has_null_block = a.null_block_id.has_value();
-    p.null_block_id = a.null_block_id.value_or(0);
+    p.has_initial_state = a.varlen.has_initial_state;
+    p.has_null_line = a.varlen.null_line.has_value();
+    p.null_line = a.varlen.null_line.value_or(0);
     p.silu = a.silu;
     p.x32 = static_cast<float*>(workspace);
     p.y32 = reinterpret_cast<float*>(static_cast<char*>(workspace) + part_fp32_bytes(a));
@@ -245,7 +245,7 @@ void stock_causal_conv1d(const PackedConvArgs& args, void* workspace, std::size_
   KDA_CHECK(need == 0 || workspace != nullptr, kFn, "workspace is null");
   KDA_CHECK(reinterpret_cast<std::uintptr_t>(workspace) % kWorkspaceAlign == 0, kFn,
             "workspace is not ", kWorkspaceAlign, "-byte aligned");
-  if (args.num_tokens == 0 || args.num_seqs == 0) return;
+  if (args.num_tokens == 0 || args.varlen.num_seqs == 0) return;
   switch (args.x_dtype) {
     case DType::BF16: run_parts<__nv_bfloat16>(args, workspace, stream); return;
     case DType::FP16: run_parts<__half>(args, workspace, stream); return;

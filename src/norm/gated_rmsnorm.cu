@@ -90,13 +90,13 @@ bool gated_rmsnorm_supported(const GatedRmsNormArgs& a, std::string* why) {
   if ((a.num_tokens * a.num_heads + Traits::kWarps - 1) / Traits::kWarps > kInt32Max)
     return fail(why, str_cat("num_tokens x num_heads = ", a.num_tokens * a.num_heads,
                              " vectors need more than 2^31 - 1 blocks"));
-  if (a.query_start_loc && (a.num_seqs < 0 || a.num_seqs > kInt32Max))
-    return fail(why, str_cat("num_seqs ", a.num_seqs, " is outside [0, 2^31 - 1]"));
+  if (a.varlen.query_start_loc && (a.varlen.num_seqs < 0 || a.varlen.num_seqs > kInt32Max))
+    return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " is outside [0, 2^31 - 1]"));
   if (!a.o || !a.g2 || !a.weight || !a.y) return fail(why, "o, g2, weight and y must be set");
   if (!aligned_to(a.o, 8) || !aligned_to(a.g2, 8) || !aligned_to(a.weight, 8) ||
       !aligned_to(a.y, 8))
     return fail(why, "o, g2, weight and y must be 8-byte aligned (lanes move 4 bf16 at a time)");
-  if (a.query_start_loc && !aligned_to(a.query_start_loc, 4))
+  if (a.varlen.query_start_loc && !aligned_to(a.varlen.query_start_loc, 4))
     return fail(why, "query_start_loc must be aligned to its 4-byte elements");
   const int64_t part_dim = a.num_heads * kHeadDim;
   const std::pair<const char*, int64_t> strides[] = {
@@ -119,8 +119,8 @@ void gated_rmsnorm(const GatedRmsNormArgs& a, Stream stream) {
   RmsNormParams p{};
   p.num_heads = a.num_heads;
   p.num_tokens = a.num_tokens;
-  p.query_start_loc = a.query_start_loc;
-  p.num_seqs = a.num_seqs;
+  p.query_start_loc = a.varlen.query_start_loc;
+  p.num_seqs = a.varlen.num_seqs;
   p.o = static_cast<const __nv_bfloat16*>(a.o);
   p.o_stride = a.o_row_stride;
   p.g2 = static_cast<const __nv_bfloat16*>(a.g2);

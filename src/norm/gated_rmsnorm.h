@@ -9,22 +9,23 @@
 #include <string>
 
 #include "kda/types.h"
+#include "kda/varlen.h"
 
 namespace kda {
 
 // Step 6 (docs/layer.md) per (token, head) 128-vector x of o:
 // y = x * rsqrt(mean(x^2) + eps) * weight * sigmoid(g2), fp32 math, bf16 out (nearest even).
-// Rows processed: [0, query_start_loc[num_seqs]) clamped to num_tokens, read on the device
-// (padded metadata repeats the last entry, so num_seqs may be the capacity), or all num_tokens
-// rows when query_start_loc is null. Rows past that are never written. Rows of skipped
+// Rows processed: [0, query_start_loc[num_seqs]) clamped to num_tokens (varlen's fields), read
+// on the device (padded metadata repeats the last entry, so num_seqs may be the capacity), or
+// all num_tokens rows when query_start_loc is null. Rows past that are never written. Rows of skipped
 // sequences inside it are computed from whatever o holds there; rows are independent, so this
 // is harmless (their output rows belong to no sequence).
 struct GatedRmsNormArgs {
   int64_t num_heads = 0;   // H
   int64_t head_dim = 128;  // only 128 is supported
   int64_t num_tokens = 0;  // rows of o, g2 and y
-  const int32_t* query_start_loc = nullptr;  // (num_seqs + 1) or nullptr
-  int64_t num_seqs = 0;
+  // The batch: only query_start_loc ((num_seqs + 1), or nullptr) and num_seqs are read.
+  VarlenArgs varlen;
   const void* o = nullptr;      // (num_tokens, H, 128) bf16
   int64_t o_row_stride = 0;     // >= P, a multiple of 4
   const void* g2 = nullptr;     // (num_tokens, P) bf16, g_a @ g_b^T

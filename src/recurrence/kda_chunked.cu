@@ -4,9 +4,9 @@
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 111 KB of shared memory (two blocks
 // per SM); phase 2 grid (segment slots, H, 4) x 128 threads, 151 KB of shared memory (the two
-// record stages and the exchange of S0 and U fragments), with segment slots = max_seqs when
+// record stages and the exchange of S0 and U fragments), with segment slots = num_seqs when
 // sequences stay whole; when they are cut, pass 1 has z = 8 (the summaries' two roles), then
-// the scan (max_seqs, H, 4) x 256 threads, 80 KB, and pass 3. All grids depend on capacities
+// the scan (num_seqs, H, 4) x 256 threads, 80 KB, and pass 3. All grids depend on capacities
 // only (CUDA graph safe).
 // Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 / fp16, ldmatrix (.trans),
 // cp.async, named barriers), identical in the sm_90a SASS and the compute_90
@@ -60,7 +60,7 @@ struct DeviceOps {
                                                      int lane, int shift) const {
     return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
       const int64_t cand = base + lane * st;
-      const bool le = cand < p.max_seqs &&
+      const bool le = cand < p.num_seqs &&
                       varlen::first_slot(__ldg(p.query_start_loc + cand), cand, shift) <= slot;
       return __popc(__ballot_sync(0xFFFFFFFFu, le));
     });
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(ScanTraits::kThreads)
 // Host side.
 
 int64_t chunk_slots(const PrepRecurrenceArgs& a) {
-  return varlen::slot_count(a.num_tokens, a.max_seqs, chunked::kChunkShift);
+  return varlen::slot_count(a.num_tokens, a.varlen.num_seqs, chunked::kChunkShift);
 }
 
 // Opts the kernels into more than 48 KB of dynamic shared memory, once per device (the
@@ -235,7 +235,7 @@ int64_t kda_chunked_auto_segment_tokens(int64_t num_tokens, int64_t num_heads) {
 }
 
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& a) {
-  if (a.num_tokens <= 0 || a.max_seqs <= 0 || a.num_heads <= 0) return 0;
+  if (a.num_tokens <= 0 || a.varlen.num_seqs <= 0 || a.num_heads <= 0) return 0;
   return recurrence::chunked_layout(a, segment_shift(a)).total();
 }
 
@@ -246,7 +246,7 @@ bool kda_chunked_supported(const PrepRecurrenceArgs& a, std::string* why) {
   static_assert(recurrence::kMaxHeads <= 65535, "gridDim.y = H");
   if (!kda_prep_recurrence_supported(a, why)) return false;
   if (chunk_slots(a) > std::numeric_limits<int32_t>::max())
-    return fail(why, str_cat("num_tokens / 64 + max_seqs = ", chunk_slots(a),
+    return fail(why, str_cat("num_tokens / 64 + num_seqs = ", chunk_slots(a),
                              " chunk slots exceed 2^31 - 1 (gridDim.x)"));
   const int64_t st = a.segment_tokens;
   if (st != kKdaAutoSegments && st != 0 && (st < kKdaChunk || (st & (st - 1)) != 0))
@@ -259,7 +259,7 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
                  Stream stream, KdaChunkedPhases phases) {
   std::string why;
   if (!kda_chunked_supported(a, &why)) KDA_FAIL(kFunction, why);
-  if (a.max_seqs == 0 || a.num_tokens == 0) return;
+  if (a.varlen.num_seqs == 0 || a.num_tokens == 0) return;
   const std::size_t need = kda_chunked_workspace_bytes(a);
   KDA_CHECK(workspace != nullptr && workspace_bytes >= need, kFunction, "the workspace has ",
             workspace_bytes, " bytes", workspace ? "" : " (null)", "; these capacities need ",
@@ -296,7 +296,7 @@ void kda_chunked(const PrepRecurrenceArgs& a, void* workspace, std::size_t works
     kda_chunk_state_kernel<<<pass1, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 1);
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());
     if (cut) {
-      const dim3 scan(static_cast<unsigned>(p.max_seqs), heads, StateTraits::kSlices);
+      const dim3 scan(static_cast<unsigned>(p.num_seqs), heads, StateTraits::kSlices);
       kda_chunk_scan_kernel<<<scan, ScanTraits::kThreads, ScanTraits::kSmemBytes, stream>>>(p);
       KDA_CUDA_CHECK(kFunction, cudaGetLastError());
       const dim3 pass3(slots, heads, StateTraits::kSlices);

@@ -28,7 +28,7 @@
 // tensor-core operands); tests/layer states the error bounds against the float64 reference.
 //
 // The workspace is asked for up front (CUTLASS style) and depends only on capacities
-// (num_tokens, max_seqs, num_heads), never on the batch, so one allocation serves every
+// (num_tokens, num_seqs, num_heads), never on the batch, so one allocation serves every
 // replay of a captured graph.
 #pragma once
 
@@ -46,11 +46,11 @@ constexpr int64_t kKdaChunk = 64;
 constexpr int64_t kKdaAutoSegments = -1;
 
 // Bytes of workspace kda_chunked needs for these capacities:
-// ((num_tokens / 64) + max_seqs) chunk slots x num_heads x 90624 bytes, plus, when it cuts
-// sequences into segments of L tokens, ((num_tokens / L) + max_seqs) x num_heads x 128 KB.
+// ((num_tokens / 64) + num_seqs) chunk slots x num_heads x 90624 bytes, plus, when it cuts
+// sequences into segments of L tokens, ((num_tokens / L) + num_seqs) x num_heads x 128 KB.
 // Reads no device memory (with segment_tokens = kKdaAutoSegments it asks for the device's SM
 // count).
-// 0 when num_tokens or max_seqs is 0 (nothing to do).
+// 0 when num_tokens or num_seqs is 0 (nothing to do).
 std::size_t kda_chunked_workspace_bytes(const PrepRecurrenceArgs& args);
 
 // True when kda_prep_recurrence_supported(args) holds and the chunk slots fit the grid;

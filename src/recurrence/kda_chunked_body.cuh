@@ -1647,7 +1647,7 @@ __host__ __device__ __forceinline__ bool block_walk(Ops& ops, const RecurrencePa
                                                     int64_t slot, int z, int lane, BlockWalk& bw) {
   const int seg_shift = kChunkShift + p.seg_chunk_shift;
   const int64_t seq = segmented(p) ? ops.locate_sequence(p, slot, lane, seg_shift) : slot;
-  if (seq < 0 || seq >= p.max_seqs) return false;
+  if (seq < 0 || seq >= p.num_seqs) return false;
   if (!state_walk(p, seq, bw.walk)) return false;
   bw.seq = seq;
   bw.slot = slot;

@@ -194,7 +194,7 @@ __device__ __forceinline__ void store_column(const float (&s)[kHeadDim], void* p
   }
 }
 
-// grid (max_seqs, H x kSlices), block kThreads. Every exit before the token loop is uniform
+// grid (num_seqs, H x kSlices), block kThreads. Every exit before the token loop is uniform
 // over the block (it depends on blockIdx only), so the barriers below are reached by all.
 template <bool kLowerBound>
 __global__ void __launch_bounds__(Traits::kThreads)
@@ -265,10 +265,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
 void kda_prep_recurrence(const PrepRecurrenceArgs& a, Stream stream) {
   std::string why;
   if (!kda_prep_recurrence_supported(a, &why)) KDA_FAIL(kFunction, why);
-  if (a.max_seqs == 0 || a.num_tokens == 0) return;
+  if (a.varlen.num_seqs == 0 || a.num_tokens == 0) return;
 
   const RecurrenceParams p = recurrence::make_recurrence_params(a);
-  const dim3 grid(static_cast<unsigned>(p.max_seqs),
+  const dim3 grid(static_cast<unsigned>(p.num_seqs),
                   static_cast<unsigned>(p.num_heads * Traits::kSlices));
   const dim3 block(Traits::kThreads);
   // supported() admits head_dim 128 only, the one instance.

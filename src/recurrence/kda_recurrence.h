@@ -5,7 +5,7 @@
 //
 // All pointers are device pointers, all strides are in elements, bf16 tensors are row-major
 // with column stride 1. Row counts are capacities (a bucket's rows) and the grids depend only
-// on them, on max_seqs and on the head count, never on the batch: a launch can be captured in
+// on them, on num_seqs and on the head count, never on the batch: a launch can be captured in
 // a CUDA graph once and replayed with new query_start_loc / cache_indices / has_initial_state.
 // Each launcher checks its arguments with the matching *_supported() (which reads no device
 // memory), builds the kernels' params once (recurrence_params.h, shared by both) and throws
@@ -24,6 +24,7 @@
 
 #include "common/state_checkpoints.h"
 #include "kda/types.h"
+#include "kda/varlen.h"
 
 namespace kda {
 
@@ -33,20 +34,18 @@ namespace kda {
 // has no initial state) and the final state written back to that line.
 //
 // Sequence s owns rows [query_start_loc[s], query_start_loc[s+1]) (clamped to
-// [0, num_tokens)). A sequence that is empty, or whose cache index is null_line or outside
-// [0, cache_lines), writes no o row and reads or writes no pool line. o rows that belong to no
+// [0, num_tokens)). A sequence that is empty, or whose cache index is varlen.null_line or
+// outside [0, varlen.cache_lines), writes no o row and reads or writes no pool line. o rows that belong to no
 // processed sequence are never written. Two processed sequences naming the same line is
 // undefined behaviour (the batch validator rejects it).
 struct PrepRecurrenceArgs {
   int64_t num_heads = 0;   // H; P = H x head_dim
   int64_t head_dim = 128;  // K = V; only 128 is supported
   int64_t num_tokens = 0;  // rows of q, k, v, g1, b and o
-  int64_t max_seqs = 0;    // entries of the metadata arrays; the grid has max_seqs x H x 4 blocks
 
-  const int32_t* query_start_loc = nullptr;  // (max_seqs + 1), non-decreasing
-  const int32_t* cache_indices = nullptr;    // (max_seqs)
-  const bool* has_initial_state = nullptr;   // (max_seqs); nullptr: no sequence has one
-  int32_t null_line = 0;
+  // The batch (cache_indices with element stride 1) and the recurrent-state pool's lines. The
+  // token kernel's grid has varlen.num_seqs x H x 4 blocks.
+  VarlenArgs varlen;
 
   // q, k, v: (num_tokens, P) bf16 conv planes sharing one row stride.
   const void* q = nullptr;
@@ -64,20 +63,19 @@ struct PrepRecurrenceArgs {
   const float* dt_bias = nullptr;  // (P) fp32
   std::optional<double> gate_lower_bound;  // finite and < 0 when set (K3-style decay)
 
-  // Recurrent-state pool (cache_lines, H, K, V), read and written in place; any strides that
+  // Recurrent-state pool (varlen.cache_lines, H, K, V), read and written in place; any strides that
   // do not make two elements overlap (e.g. (line, head, v, k) order). Elements are FP32 or BF16
   // (state_dtype): the kernels carry the state in fp32 and round a bf16 line once per store
   // (common/state_storage.h); strides count elements of that type.
   void* states = nullptr;
   DType state_dtype = DType::FP32;
-  int64_t cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_head = 0, state_stride_k = 0, state_stride_v = 0;
 
   void* o = nullptr;         // (num_tokens, H, V) bf16, rounded to nearest even
   int64_t o_row_stride = 0;  // >= P
 
   // State checkpoints (common/state_checkpoints.h); both null: none. checkpoint_seqs has
-  // max_seqs entries, checkpoint_entries max_checkpoints. Sequence s's state after
+  // varlen.num_seqs entries, checkpoint_entries max_checkpoints. Sequence s's state after
   // checkpoint_entries[i].end of its rows (i from checkpoint_seqs[s]) is also written to
   // recurrent-pool line checkpoint_entries[i].line. Both tables are device memory, 16-byte
   // aligned, and keep that header's invariants (ends on chunk ends or the sequence's last row,

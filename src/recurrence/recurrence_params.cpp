@@ -39,11 +39,11 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
                              " blocks per head in y)"));
   if (a.num_tokens < 0 || a.num_tokens > kInt32Max)
     return fail(why, str_cat("num_tokens ", a.num_tokens, " is outside [0, 2^31 - 1]"));
-  if (a.max_seqs < 0 || a.max_seqs > kInt32Max)
-    return fail(why, str_cat("max_seqs ", a.max_seqs, " is outside [0, 2^31 - 1]"));
-  if (a.cache_lines < 0 || a.cache_lines > kInt32Max + 1)
-    return fail(why, str_cat("cache_lines ", a.cache_lines, " is outside [0, 2^31]"));
-  if (!a.query_start_loc || !a.cache_indices)
+  if (a.varlen.num_seqs < 0 || a.varlen.num_seqs > kInt32Max)
+    return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " is outside [0, 2^31 - 1]"));
+  if (a.varlen.cache_lines < 0 || a.varlen.cache_lines > kInt32Max + 1)
+    return fail(why, str_cat("cache_lines ", a.varlen.cache_lines, " is outside [0, 2^31]"));
+  if (!a.varlen.query_start_loc || !a.varlen.cache_indices)
     return fail(why, "query_start_loc and cache_indices must be set");
   if (!a.q || !a.k || !a.v || !a.g1 || !a.b)
     return fail(why, "q, k, v, g1 and b must be set");
@@ -85,7 +85,7 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
   if (a.state_stride_line <= 0 || a.state_stride_head <= 0 || a.state_stride_k <= 0 ||
       a.state_stride_v <= 0)
     return fail(why, "the state strides (line, head, k, v) must be positive");
-  if (detail::strided_extent<4>({{{a.cache_lines, a.state_stride_line},
+  if (detail::strided_extent<4>({{{a.varlen.cache_lines, a.state_stride_line},
                                   {a.num_heads, a.state_stride_head},
                                   {kHeadDim, a.state_stride_k},
                                   {kHeadDim, a.state_stride_v}}}) < 0)
@@ -115,14 +115,14 @@ namespace recurrence {
 ChunkedLayout chunked_layout(const PrepRecurrenceArgs& a, int seg_chunk_shift) {
   ChunkedLayout l;
   l.seg_chunk_shift = seg_chunk_shift;
-  if (a.num_tokens <= 0 || a.max_seqs <= 0 || a.num_heads <= 0) return l;
+  if (a.num_tokens <= 0 || a.varlen.num_seqs <= 0 || a.num_heads <= 0) return l;
   const auto heads = static_cast<std::size_t>(a.num_heads);
-  l.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
+  l.slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift);
   l.record_bytes = static_cast<std::size_t>(l.slots) * heads * kRecordBytes;
   if (seg_chunk_shift >= kNoSegments) {
-    l.seg_slots = a.max_seqs;
+    l.seg_slots = a.varlen.num_seqs;
   } else {
-    l.seg_slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift + seg_chunk_shift);
+    l.seg_slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift + seg_chunk_shift);
     l.seg_bytes = static_cast<std::size_t>(l.seg_slots) * heads * kHeadDim * kHeadDim * 4;
   }
   return l;
@@ -168,13 +168,13 @@ int segment_shift_of(const PrepRecurrenceArgs& a, int sm_count) {
 RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* workspace,
                                         int seg_chunk_shift) {
   RecurrenceParams p{};
-  p.query_start_loc = a.query_start_loc;
-  p.cache_indices = a.cache_indices;
-  p.has_initial_state = a.has_initial_state;
-  p.null_line = a.null_line;
-  p.cache_lines = a.cache_lines;
+  p.query_start_loc = a.varlen.query_start_loc;
+  p.cache_indices = a.varlen.cache_indices;
+  p.has_initial_state = a.varlen.has_initial_state;
+  p.null_line = a.varlen.null_line.value_or(-1);  // no null line: -1, skipped as out of range
+  p.cache_lines = a.varlen.cache_lines;
   p.num_tokens = a.num_tokens;
-  p.max_seqs = a.max_seqs;
+  p.num_seqs = a.varlen.num_seqs;
   p.num_heads = static_cast<int>(a.num_heads);
   p.q = static_cast<const __nv_bfloat16*>(a.q);
   p.k = static_cast<const __nv_bfloat16*>(a.k);
@@ -198,8 +198,8 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.checkpoint_seqs = a.checkpoint_seqs;
   p.checkpoint_entries = a.checkpoint_entries;
   p.max_checkpoints = a.max_checkpoints;
-  p.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
-  p.search_steps = varlen::search_steps(a.max_seqs);
+  p.slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift);
+  p.search_steps = varlen::search_steps(a.varlen.num_seqs);
   p.search_stride = varlen::search_stride(p.search_steps);
   p.workspace = static_cast<unsigned char*>(workspace);
   const ChunkedLayout layout = chunked_layout(a, seg_chunk_shift);

@@ -42,7 +42,7 @@ struct RecurrenceParams {
   int32_t null_line;
   int64_t cache_lines;
   int64_t num_tokens;
-  int64_t max_seqs;
+  int64_t num_seqs;
   int num_heads;
 
   // Inputs.
@@ -69,7 +69,7 @@ struct RecurrenceParams {
   __nv_bfloat16* o;
   int64_t o_stride;
 
-  // State checkpoints (common/state_checkpoints.h): both null, or max_seqs and max_checkpoints
+  // State checkpoints (common/state_checkpoints.h): both null, or num_seqs and max_checkpoints
   // entries.
   const CheckpointSeq* checkpoint_seqs;
   const CheckpointEntry* checkpoint_entries;
@@ -77,7 +77,7 @@ struct RecurrenceParams {
 
   // kda_chunked only: chunk slots (common/varlen_map.h, 64-token chunks), the radix search
   // over query_start_loc, and the workspace of per-(slot, head) records.
-  int64_t slots;  // (num_tokens >> 6) + max_seqs
+  int64_t slots;  // (num_tokens >> 6) + num_seqs
   int search_steps;
   int64_t search_stride;
   unsigned char* workspace;  // nullptr for kda_prep_recurrence

@@ -196,7 +196,7 @@ struct HostOps {
   }
 
   int64_t locate_sequence(const RecurrenceParams& p, int64_t slot_index, int, int shift) {
-    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.max_seqs, shift,
+    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.num_seqs, shift,
                                            p.search_steps, p.search_stride, slot_index)
         .seq;
   }
@@ -395,7 +395,7 @@ void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& work
   pass(1, (cut ? 2 : 1) * StateTraits::kSlices);
   if (!cut) return;
   using kda::chunked::ScanTraits;
-  for (int64_t seq = 0; seq < p.max_seqs; ++seq)
+  for (int64_t seq = 0; seq < p.num_seqs; ++seq)
     for (int head = 0; head < p.num_heads; ++head)
       for (int slice = 0; slice < StateTraits::kSlices; ++slice)
         run_block(ScanTraits::kThreads, ScanTraits::kSmemBytes, late_copies,
@@ -426,7 +426,7 @@ struct HostBatchData {
   std::vector<int32_t> qsl, cache;
   std::vector<uint8_t> init;  // bool storage
   std::optional<double> lower_bound;
-  // State checkpoints: none when both are empty, else max_seqs and max_checkpoints entries.
+  // State checkpoints: none when both are empty, else num_seqs and max_checkpoints entries.
   std::vector<kda::CheckpointSeq> checkpoint_seqs;
   std::vector<kda::CheckpointEntry> checkpoint_entries;
 
@@ -438,11 +438,11 @@ struct HostBatchData {
     kda::PrepRecurrenceArgs a;
     a.num_heads = heads;
     a.num_tokens = tokens;
-    a.max_seqs = static_cast<int64_t>(cache.size());
-    a.query_start_loc = qsl.data();
-    a.cache_indices = cache.data();
-    a.has_initial_state = reinterpret_cast<const bool*>(init.data());
-    a.null_line = 0;
+    a.varlen.num_seqs = static_cast<int64_t>(cache.size());
+    a.varlen.query_start_loc = qsl.data();
+    a.varlen.cache_indices = cache.data();
+    a.varlen.has_initial_state = reinterpret_cast<const bool*>(init.data());
+    a.varlen.null_line = 0;
     a.q = q.data();
     a.k = k.data();
     a.v = v.data();
@@ -461,7 +461,7 @@ struct HostBatchData {
     } else {
       a.states = pool.data();
     }
-    a.cache_lines = lines;
+    a.varlen.cache_lines = lines;
     a.state_stride_line = line_stride;
     a.state_stride_head = head_stride;
     a.state_stride_v = 128;

@@ -337,7 +337,7 @@ TEST_CASE("the segment plan cuts only where few heads leave SMs idle") {
   kda::PrepRecurrenceArgs a;
   a.num_heads = 4;
   a.num_tokens = 65536;
-  a.max_seqs = 8;
+  a.varlen.num_seqs = 8;
   a.segment_tokens = 0;
   CHECK(kda::recurrence::segment_shift_of(a, 132) == kNoSegments);
   a.segment_tokens = 128;
@@ -364,9 +364,9 @@ TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power o
   kda::PrepRecurrenceArgs a;
   a.num_heads = 1;
   a.num_tokens = 256;
-  a.max_seqs = 1;
-  a.query_start_loc = static_cast<const int32_t*>(at(1));
-  a.cache_indices = static_cast<const int32_t*>(at(2));
+  a.varlen.num_seqs = 1;
+  a.varlen.query_start_loc = static_cast<const int32_t*>(at(1));
+  a.varlen.cache_indices = static_cast<const int32_t*>(at(2));
   a.q = at(3);
   a.k = at(4);
   a.v = at(5);
@@ -378,7 +378,7 @@ TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power o
   a.a_log = static_cast<const float*>(at(8));
   a.dt_bias = static_cast<const float*>(at(9));
   a.states = at(10);
-  a.cache_lines = 2;
+  a.varlen.cache_lines = 2;
   a.state_stride_line = 128 * 128;
   a.state_stride_head = 128 * 128;
   a.state_stride_k = 128;

@@ -204,11 +204,11 @@ struct RecurrenceProblem {
     kda::PrepRecurrenceArgs a;
     a.num_heads = heads;
     a.num_tokens = bucket;
-    a.max_seqs = batch.max_seqs;
-    a.query_start_loc = batch.d_qsl.as<int32_t>();
-    a.cache_indices = batch.d_lines.as<int32_t>();
-    a.has_initial_state = batch.d_initial.as<bool>();
-    a.null_line = batch.null_line;
+    a.varlen.num_seqs = batch.max_seqs;
+    a.varlen.query_start_loc = batch.d_qsl.as<int32_t>();
+    a.varlen.cache_indices = batch.d_lines.as<int32_t>();
+    a.varlen.has_initial_state = batch.d_initial.as<bool>();
+    a.varlen.null_line = batch.null_line;
     a.q = d_q.get();
     a.k = d_k.get();
     a.v = d_v.get();
@@ -223,7 +223,7 @@ struct RecurrenceProblem {
     a.gate_lower_bound = lower_bound;
     a.states = d_pool.get();
     a.state_dtype = pool_dtype;
-    a.cache_lines = batch.cache_lines;
+    a.varlen.cache_lines = batch.cache_lines;
     a.state_stride_line = layout.line;
     a.state_stride_head = layout.head;
     a.state_stride_k = layout.k;
@@ -382,10 +382,10 @@ struct DeviceMeta {
       : DeviceMeta(t.query_start_loc, t.cache_indices, t.has_initial_state.get()) {}
 
   kda::PrepRecurrenceArgs apply(kda::PrepRecurrenceArgs a) const {
-    a.max_seqs = max_seqs;
-    a.query_start_loc = qsl.as<int32_t>();
-    a.cache_indices = lines.as<int32_t>();
-    a.has_initial_state = initial.as<bool>();
+    a.varlen.num_seqs = max_seqs;
+    a.varlen.query_start_loc = qsl.as<int32_t>();
+    a.varlen.cache_indices = lines.as<int32_t>();
+    a.varlen.has_initial_state = initial.as<bool>();
     if (max_checkpoints > 0) {
       a.checkpoint_seqs = ck_seqs.as<kda::CheckpointSeq>();
       a.checkpoint_entries = ck_entries.as<kda::CheckpointEntry>();
@@ -752,8 +752,8 @@ struct RmsNormProblem {
     kda::GatedRmsNormArgs a;
     a.num_heads = heads;
     a.num_tokens = bucket;
-    a.query_start_loc = use_qsl ? d_qsl.as<int32_t>() : nullptr;
-    a.num_seqs = static_cast<int64_t>(qsl.size()) - 1;
+    a.varlen.query_start_loc = use_qsl ? d_qsl.as<int32_t>() : nullptr;
+    a.varlen.num_seqs = static_cast<int64_t>(qsl.size()) - 1;
     a.o = d_o.get();
     a.o_row_stride = o_stride;
     a.g2 = d_g2.get();

@@ -23,10 +23,10 @@ kda::PrepRecurrenceArgs valid_recurrence_args() {
   kda::PrepRecurrenceArgs a;
   a.num_heads = 3;
   a.num_tokens = 100;
-  a.max_seqs = 8;
-  a.query_start_loc = fake<const int32_t>(1);
-  a.cache_indices = fake<const int32_t>(2);
-  a.has_initial_state = fake<const bool>(3);
+  a.varlen.num_seqs = 8;
+  a.varlen.query_start_loc = fake<const int32_t>(1);
+  a.varlen.cache_indices = fake<const int32_t>(2);
+  a.varlen.has_initial_state = fake<const bool>(3);
   a.q = fake<const void>(4);
   a.k = fake<const void>(5);
   a.v = fake<const void>(6);
@@ -39,7 +39,7 @@ kda::PrepRecurrenceArgs valid_recurrence_args() {
   a.a_log = fake<const float>(9);
   a.dt_bias = fake<const float>(10);
   a.states = fake<void>(11);
-  a.cache_lines = 5;
+  a.varlen.cache_lines = 5;
   a.state_stride_line = 3 * 128 * 128;
   a.state_stride_head = 128 * 128;
   a.state_stride_k = 128;
@@ -53,8 +53,8 @@ kda::GatedRmsNormArgs valid_rmsnorm_args() {
   kda::GatedRmsNormArgs a;
   a.num_heads = 3;
   a.num_tokens = 100;
-  a.query_start_loc = fake<const int32_t>(1);
-  a.num_seqs = 8;
+  a.varlen.query_start_loc = fake<const int32_t>(1);
+  a.varlen.num_seqs = 8;
   a.o = fake<const void>(2);
   a.o_row_stride = 384;
   a.g2 = fake<const void>(3);
@@ -78,7 +78,7 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
   SUBCASE("no heads") { a.num_heads = 0; expect = "num_heads 0"; }
   SUBCASE("too many heads for the grid") { a.num_heads = 20000; expect = "num_heads 20000"; }
   SUBCASE("negative tokens") { a.num_tokens = -1; expect = "num_tokens -1"; }
-  SUBCASE("missing metadata") { a.cache_indices = nullptr; expect = "cache_indices"; }
+  SUBCASE("missing metadata") { a.varlen.cache_indices = nullptr; expect = "cache_indices"; }
   SUBCASE("missing plane") { a.v = nullptr; expect = "q, k, v, g1 and b"; }
   SUBCASE("missing pool") { a.states = nullptr; expect = "states"; }
   SUBCASE("fp16 state pool") { a.state_dtype = kda::DType::FP16; expect = "state_dtype fp16"; }
@@ -125,7 +125,7 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
   }
   SUBCASE("a lower bound and has_initial_state absent are fine") {
     a.gate_lower_bound = -5.0;
-    a.has_initial_state = nullptr;
+    a.varlen.has_initial_state = nullptr;
     CHECK(kda::kda_prep_recurrence_supported(a, &why));
     return;
   }
@@ -210,7 +210,7 @@ TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what 
   SUBCASE("eps zero") { a.eps = 0.0; expect = "eps 0"; }
   SUBCASE("eps NaN") { a.eps = std::numeric_limits<double>::quiet_NaN(); expect = "positive and finite"; }
   SUBCASE("no query_start_loc is fine") {
-    a.query_start_loc = nullptr;
+    a.varlen.query_start_loc = nullptr;
     CHECK(kda::gated_rmsnorm_supported(a, &why));
     return;
   }
@@ -223,7 +223,7 @@ TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what 
 TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
   // Without a device a launch would fail; these return before any CUDA call.
   kda::PrepRecurrenceArgs r = valid_recurrence_args();
-  r.max_seqs = 0;
+  r.varlen.num_seqs = 0;
   CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
   r = valid_recurrence_args();
   r.num_tokens = 0;
