@@ -5,6 +5,7 @@
 #include "common/check.h"
 #include "common/cuda_check.h"
 #include "recurrence/kda_chunked.h"
+#include "recurrence/kda_recurrence_token.h"
 
 namespace kda::detail {
 
@@ -127,10 +128,10 @@ int64_t segment_tokens_of(const Config& config) {
 }
 }  // namespace
 
-PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
+RecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   const StepContext& ctx = in.ctx;
   const ModelConfig& m = model_of(ctx, "kda::detail::recurrence_args_for_step");
-  PrepRecurrenceArgs a;
+  RecurrenceArgs a;
   a.num_heads = m.num_heads;
   a.head_dim = m.head_dim;
   a.num_tokens = ctx.bucket_tokens;
@@ -214,7 +215,7 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
   gemm_workspace_ = DeviceBuffer(workspace_bytes, "cuBLASLt workspace");
   if (chunked()) {
     // Sized for the largest bucket and max_seqs: the capacities every window's launch uses.
-    PrepRecurrenceArgs a;
+    RecurrenceArgs a;
     a.num_heads = H;
     a.head_dim = m.head_dim;
     a.num_tokens = B;
@@ -314,8 +315,8 @@ LayerProgram::Unsupported LayerProgram::why_unsupported(const StepInputs& in) co
              !conv_checkpoint_supported(conv_checkpoint_args_for_step(in.ctx), &u.why)) {
     u.step = "the conv checkpoints";
   } else if (full_layer()) {
-    const PrepRecurrenceArgs rec = recurrence_args_for_step(in);
-    if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_prep_recurrence_supported(rec, &u.why))
+    const RecurrenceArgs rec = recurrence_args_for_step(in);
+    if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_recurrence_token_supported(rec, &u.why))
       u.step = "the recurrence";
     else if (!gated_rmsnorm_supported(rmsnorm_args_for_step(in), &u.why))
       u.step = "the gated RMSNorm";
@@ -356,11 +357,11 @@ void LayerProgram::run_gates(const StepInputs& in, Stream stream) const {
 // (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the recurrent
 // pool line read and written back.
 void LayerProgram::run_recurrence(const StepInputs& in, Stream stream) const {
-  const PrepRecurrenceArgs args = recurrence_args_for_step(in);
+  const RecurrenceArgs args = recurrence_args_for_step(in);
   if (chunked())
     kda_chunked(args, in.chunked_workspace, in.chunked_workspace_bytes, stream);
   else
-    kda_prep_recurrence(args, stream);
+    kda_recurrence_token(args, stream);
 }
 
 // (6) gated RMSNorm per head.

@@ -10,6 +10,7 @@
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
+#include "recurrence/kda_recurrence_token.h"
 
 namespace {
 
@@ -19,8 +20,8 @@ T* fake(uintptr_t slot) {
   return reinterpret_cast<T*>(uintptr_t{1} << 20 | slot << 12);
 }
 
-kda::PrepRecurrenceArgs valid_recurrence_args() {
-  kda::PrepRecurrenceArgs a;
+kda::RecurrenceArgs valid_recurrence_args() {
+  kda::RecurrenceArgs a;
   a.num_heads = 3;
   a.num_tokens = 100;
   a.varlen.num_seqs = 8;
@@ -67,10 +68,10 @@ kda::GatedRmsNormArgs valid_rmsnorm_args() {
 
 }  // namespace
 
-TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names what is wrong") {
-  kda::PrepRecurrenceArgs a = valid_recurrence_args();
+TEST_CASE("kda_recurrence_token_supported accepts well-formed arguments and names what is wrong") {
+  kda::RecurrenceArgs a = valid_recurrence_args();
   std::string why;
-  REQUIRE(kda::kda_prep_recurrence_supported(a, &why));
+  REQUIRE(kda::kda_recurrence_token_supported(a, &why));
   CHECK(why.empty());
 
   std::string expect;
@@ -112,13 +113,13 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
     a.state_stride_v = 128;
     a.state_stride_head = 128 * 128 + 32;
     a.state_stride_line = 3 * a.state_stride_head + 100;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     return;
   }
   SUBCASE("a bf16 pool on a 2-byte boundary is fine") {
     a.state_dtype = kda::DType::BF16;
     a.states = static_cast<char*>(a.states) + 2;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     std::string chunked_why;
     CHECK(kda::kda_chunked_supported(a, &chunked_why));
     return;
@@ -126,33 +127,33 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
   SUBCASE("a lower bound and has_initial_state absent are fine") {
     a.gate_lower_bound = -5.0;
     a.varlen.has_initial_state = nullptr;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     return;
   }
   CAPTURE(expect);
-  CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK_FALSE(kda::kda_recurrence_token_supported(a, &why));
   CHECK(why.find(expect) != std::string::npos);
-  CHECK_FALSE(kda::kda_prep_recurrence_supported(a));  // why is optional
+  CHECK_FALSE(kda::kda_recurrence_token_supported(a));  // why is optional
   std::string chunked_why;  // the chunked kernel shares the checks
   CHECK_FALSE(kda::kda_chunked_supported(a, &chunked_why));
   CHECK(chunked_why == why);
   // The launcher reports the same sentence before touching the device.
   try {
-    kda::kda_prep_recurrence(a, nullptr);
-    FAIL("kda_prep_recurrence accepted bad arguments");
+    kda::kda_recurrence_token(a, nullptr);
+    FAIL("kda_recurrence_token accepted bad arguments");
   } catch (const kda::Error& e) {
-    CHECK(e.function() == "kda::kda_prep_recurrence");
+    CHECK(e.function() == "kda::kda_recurrence_token");
     CHECK(e.message() == why);
   }
 }
 
-TEST_CASE("kda_prep_recurrence_supported checks the state-checkpoint tables") {
-  kda::PrepRecurrenceArgs a = valid_recurrence_args();
+TEST_CASE("kda_recurrence_token_supported checks the state-checkpoint tables") {
+  kda::RecurrenceArgs a = valid_recurrence_args();
   a.checkpoint_seqs = fake<const kda::CheckpointSeq>(13);
   a.checkpoint_entries = fake<const kda::CheckpointEntry>(14);
   a.max_checkpoints = 4;
   std::string why;
-  REQUIRE(kda::kda_prep_recurrence_supported(a, &why));
+  REQUIRE(kda::kda_recurrence_token_supported(a, &why));
 
   std::string expect;
   SUBCASE("entries without sequences") { a.checkpoint_seqs = nullptr; expect = "set together"; }
@@ -176,20 +177,20 @@ TEST_CASE("kda_prep_recurrence_supported checks the state-checkpoint tables") {
   SUBCASE("no tables, with or without a capacity, are fine") {
     a.checkpoint_seqs = nullptr;
     a.checkpoint_entries = nullptr;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     a.max_checkpoints = 0;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     return;
   }
   CAPTURE(expect);
-  CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK_FALSE(kda::kda_recurrence_token_supported(a, &why));
   CHECK(why.find(expect) != std::string::npos);
   std::string chunked_why;  // the chunked kernel shares the checks
   CHECK_FALSE(kda::kda_chunked_supported(a, &chunked_why));
   CHECK(chunked_why == why);
   try {
-    kda::kda_prep_recurrence(a, nullptr);
-    FAIL("kda_prep_recurrence accepted bad checkpoint tables");
+    kda::kda_recurrence_token(a, nullptr);
+    FAIL("kda_recurrence_token accepted bad checkpoint tables");
   } catch (const kda::Error& e) {
     CHECK(e.message() == why);
   }
@@ -222,12 +223,12 @@ TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what 
 
 TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
   // Without a device a launch would fail; these return before any CUDA call.
-  kda::PrepRecurrenceArgs r = valid_recurrence_args();
+  kda::RecurrenceArgs r = valid_recurrence_args();
   r.varlen.num_seqs = 0;
-  CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
+  CHECK_NOTHROW(kda::kda_recurrence_token(r, nullptr));
   r = valid_recurrence_args();
   r.num_tokens = 0;
-  CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
+  CHECK_NOTHROW(kda::kda_recurrence_token(r, nullptr));
   kda::GatedRmsNormArgs g = valid_rmsnorm_args();
   g.num_tokens = 0;
   CHECK_NOTHROW(kda::gated_rmsnorm(g, nullptr));

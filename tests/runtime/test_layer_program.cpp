@@ -7,6 +7,7 @@
 
 #include "kda/error.h"
 #include "kda/prefill.h"
+#include "recurrence/kda_recurrence_token.h"
 #include "runtime/layer_program.h"
 
 namespace {
@@ -55,7 +56,7 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   in.o = fake<void>(31);
   in.g2 = fake<void>(32);
   in.y = fake<void>(33);
-  const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+  const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
   CHECK(r.num_heads == 4);
   CHECK(r.num_tokens == 512);
   CHECK(r.varlen.num_seqs == 16);
@@ -71,7 +72,7 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   CHECK(r.states == ctx.recurrent_states);
   CHECK(r.state_dtype == kda::DType::BF16);  // the context's pool element type, passed on
   std::string why;
-  CHECK(kda::kda_prep_recurrence_supported(r, &why));
+  CHECK(kda::kda_recurrence_token_supported(r, &why));
   CHECK(why.empty());
 
   const kda::GatedRmsNormArgs g = kda::detail::rmsnorm_args_for_step(in);
@@ -140,7 +141,7 @@ TEST_CASE("pool layouts and line strides give the state strides the kernels are 
   CHECK(ca.state_stride_line == 5000);
   CHECK(ca.state_stride_dim == 1);
   CHECK(ca.state_stride_tap == 3 * p);
-  const kda::PrepRecurrenceArgs ra = kda::detail::recurrence_args_for_step(in);
+  const kda::RecurrenceArgs ra = kda::detail::recurrence_args_for_step(in);
   CHECK(ra.state_stride_line == 70000);
   CHECK(ra.state_stride_head == 128 * 128);
   CHECK(ra.state_stride_k == 1);
@@ -177,7 +178,7 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
     const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in.ctx);
     CHECK(c.max_entries == 0);
     CHECK(kda::conv_checkpoint_supported(c));
-    const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+    const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
     CHECK(r.checkpoint_seqs == nullptr);
     CHECK(r.checkpoint_entries == nullptr);
     CHECK(r.max_checkpoints == 0);
@@ -206,7 +207,7 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
     CHECK(c.max_entries == 12);
     std::string why;
     CHECK_MESSAGE(kda::conv_checkpoint_supported(c, &why), why);
-    const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+    const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
     CHECK(static_cast<const void*>(r.checkpoint_seqs) == static_cast<const void*>(in.ctx.checkpoint_seqs));
     CHECK(static_cast<const void*>(r.checkpoint_entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
     CHECK(r.max_checkpoints == 12);

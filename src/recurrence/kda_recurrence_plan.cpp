@@ -1,9 +1,10 @@
-// The host side shared by the two recurrence kernels: kda_prep_recurrence_supported() (the
-// argument checks of the op) and make_recurrence_params(). Plain C++, no CUDA.
-#include "recurrence/recurrence_params.h"
+// The plan the two recurrence kernels share (kda_recurrence.h): the argument checks of the op
+// (recurrence::args_supported, which kda_recurrence_token_supported is whole) and the params
+// both kernels read. Plain C++, no CUDA.
+#include "recurrence/kda_recurrence.h"
 
-#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -11,7 +12,7 @@
 #include "common/check.h"
 #include "common/state_storage.h"
 #include "common/varlen_map.h"
-#include "recurrence/kda_recurrence.h"
+#include "recurrence/kda_recurrence_token.h"
 
 namespace kda {
 namespace {
@@ -24,18 +25,18 @@ const __nv_bfloat16* bf16_offset(const void* bf16, int64_t elements) {
 
 }  // namespace
 
-bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why) {
+namespace recurrence {
+
+bool args_supported(const RecurrenceArgs& a, std::string* why) {
   using detail::aligned_to;
   using detail::fail;
   using detail::kInt32Max;
   using detail::str_cat;
-  using recurrence::kHeadDim;
-  using recurrence::kMaxHeads;
   if (a.head_dim != kHeadDim)
     return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
   if (a.num_heads < 1 || a.num_heads > kMaxHeads)
     return fail(why, str_cat("num_heads ", a.num_heads, " is outside [1, ", kMaxHeads,
-                             "] (the grid has ", recurrence::kTokenSlices,
+                             "] (the grid has ", kTokenSlices,
                              " blocks per head in y)"));
   if (a.num_tokens < 0 || a.num_tokens > kInt32Max)
     return fail(why, str_cat("num_tokens ", a.num_tokens, " is outside [0, 2^31 - 1]"));
@@ -110,63 +111,7 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
   return true;
 }
 
-namespace recurrence {
-
-ChunkedLayout chunked_layout(const PrepRecurrenceArgs& a, int seg_chunk_shift) {
-  ChunkedLayout l;
-  l.seg_chunk_shift = seg_chunk_shift;
-  if (a.num_tokens <= 0 || a.varlen.num_seqs <= 0 || a.num_heads <= 0) return l;
-  const auto heads = static_cast<std::size_t>(a.num_heads);
-  l.slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift);
-  l.record_bytes = static_cast<std::size_t>(l.slots) * heads * kRecordBytes;
-  if (seg_chunk_shift >= kNoSegments) {
-    l.seg_slots = a.varlen.num_seqs;
-  } else {
-    l.seg_slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift + seg_chunk_shift);
-    l.seg_bytes = static_cast<std::size_t>(l.seg_slots) * heads * kHeadDim * kHeadDim * 4;
-  }
-  return l;
-}
-
-// The model (docs/design.md, "Segments"): phase 2 runs one block per SM, and a walk block
-// takes a time t per chunk whatever its role, so a pass of b blocks over segments of L chunks
-// takes ceil(b / S) L t on S SMs. One sequence of N chunks, B = 4 H blocks per segment and
-// role, n = ceil(N / L) segments: pass 1 runs B (2 n - 3) blocks (segment 0's walk, and the
-// summary and the transition of segments 1 .. n - 2), pass 3 B (n - 1), and the scan n - 2
-// steps of about kScanStep chunk times each.
-int auto_segment_shift(int64_t num_tokens, int64_t num_heads, int sm_count) {
-  constexpr int64_t kScanStep = 2;
-  if (sm_count <= 0) return kNoSegments;
-  const int64_t n_chunks = (num_tokens + kKdaChunk - 1) / kKdaChunk;
-  const int64_t b = 4 * std::max<int64_t>(num_heads, 1), sms = std::max(sm_count, 1);
-  const auto waves = [&](int64_t blocks) { return (blocks + sms - 1) / sms; };
-  const int64_t uncut = waves(b) * n_chunks;
-  int64_t best_cost = uncut;
-  int best = kNoSegments;
-  for (int k = kMinAutoSegmentShift; k < 30 && (int64_t{1} << k) < n_chunks; ++k) {
-    const int64_t len = int64_t{1} << k, n = (n_chunks + len - 1) / len;
-    const int64_t cost =
-        waves(b * (2 * n - 3)) * len + waves(b * (n - 1)) * len + kScanStep * (n - 2);
-    if (cost < best_cost) best_cost = cost, best = k;
-  }
-  return 5 * best_cost <= 4 * uncut ? best : kNoSegments;
-}
-
-int segment_shift_of(const PrepRecurrenceArgs& a, int sm_count) {
-  int shift = kNoSegments;
-  if (a.segment_tokens < 0) {
-    shift = auto_segment_shift(a.num_tokens, a.num_heads, sm_count);
-  } else if (a.segment_tokens > 0) {
-    shift = 0;
-    while ((kKdaChunk << shift) < a.segment_tokens) ++shift;
-  }
-  // Segments as long as the longest possible sequence cut nothing.
-  const int64_t n_chunks = (a.num_tokens + kKdaChunk - 1) / kKdaChunk;
-  return shift < kNoSegments && (int64_t{1} << shift) < n_chunks ? shift : kNoSegments;
-}
-
-RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* workspace,
-                                        int seg_chunk_shift) {
+RecurrenceParams make_recurrence_params(const RecurrenceArgs& a) {
   RecurrenceParams p{};
   p.query_start_loc = a.varlen.query_start_loc;
   p.cache_indices = a.varlen.cache_indices;
@@ -188,7 +133,7 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.dt_bias = a.dt_bias;
   p.lower_bound = a.gate_lower_bound ? static_cast<float>(*a.gate_lower_bound) : 0.0f;
   p.states = a.states;
-  p.state_bf16 = a.state_dtype == DType::BF16;
+  p.state_dtype_is_bf16 = a.state_dtype == DType::BF16;
   p.state_line = a.state_stride_line;
   p.state_head = a.state_stride_head;
   p.state_k = a.state_stride_k;
@@ -201,18 +146,18 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift);
   p.search_steps = varlen::search_steps(a.varlen.num_seqs);
   p.search_stride = varlen::search_stride(p.search_steps);
-  p.workspace = static_cast<unsigned char*>(workspace);
-  const ChunkedLayout layout = chunked_layout(a, seg_chunk_shift);
-  p.seg_chunk_shift = seg_chunk_shift;
-  p.seg_slots = layout.seg_slots;
+  p.workspace = nullptr;
+  p.seg_chunk_shift = kNoSegments;  // kda_chunked's make_chunked_params sets the segments
+  p.seg_slots = 0;
   p.seg_states = nullptr;
   p.seg_trans = nullptr;
-  if (workspace != nullptr && layout.seg_bytes > 0) {
-    p.seg_states = reinterpret_cast<float*>(p.workspace + layout.record_bytes);
-    p.seg_trans = reinterpret_cast<float*>(p.workspace + layout.record_bytes + layout.seg_bytes);
-  }
   return p;
 }
 
 }  // namespace recurrence
+
+bool kda_recurrence_token_supported(const RecurrenceArgs& a, std::string* why) {
+  return recurrence::args_supported(a, why);
+}
+
 }  // namespace kda
