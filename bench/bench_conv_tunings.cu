@@ -2,7 +2,7 @@
 // ConvTuning (vec, chunk_len, warps_per_cta, chunks_per_cta) against the default launch and a
 // device copy of the same bytes, at the seed scale (bench_util.h's seed_model(): part_dim
 // 1536 x 3, in_proj row stride 4928, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). It is
-// the measurement behind the defaults of src/conv/conv_params.h.
+// the measurement behind the defaults of src/conv/packed_conv.h.
 //
 //   bench_conv_tunings [--quick] [--out FILE]
 //
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "conv/conv_params.h"
+#include "conv/packed_conv.h"
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"

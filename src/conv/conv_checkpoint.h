@@ -10,7 +10,8 @@
 // the same pool after running the sequence cut at `end` rows.
 //
 // The entries (common/state_checkpoints.h) are read from device memory: one captured launch
-// replays with new entries. CUDA-free.
+// replays with new entries. CUDA-free: conv_checkpoint_plan.cpp is the plan (checks, params),
+// conv_checkpoint_kernel.cuh the device code, conv_checkpoint.cu the launch.
 #pragma once
 
 #include <cstdint>
@@ -72,7 +73,7 @@ constexpr int kConvCheckpointChannelsPerCta = 256;
 
 namespace conv {
 
-// ConvCheckpointArgs as the kernel (and the CPU tests, through conv_checkpoint_body.h) read
+// ConvCheckpointArgs as the kernel (and the CPU tests, through conv_checkpoint_kernel.cuh) read
 // them: the varlen fields flat, the null line as a value (-1 when varlen.null_line is empty:
 // a line below 0 is skipped anyway).
 struct ConvCheckpointParams {

@@ -1,5 +1,6 @@
 // The gated RMSNorm of a KDA layer (docs/layer.md step 6), per (token, head). CUDA-free: host code
-// includes this header, the kernel lives in gated_rmsnorm.cu. The grid depends only on
+// includes this header; gated_rmsnorm_plan.cpp is its plan (checks, params),
+// gated_rmsnorm_kernel.cuh its device code, gated_rmsnorm.cu its launch. The grid depends only on
 // num_tokens and num_heads (capacities), so a launch can be captured once and replayed with
 // new query_start_loc. The launcher checks its arguments with gated_rmsnorm_supported() (which
 // reads no device memory) and throws kda::Error, enqueueing nothing, when they are unusable.
@@ -10,6 +11,9 @@
 
 #include "kda/types.h"
 #include "kda/varlen.h"
+
+// cuda_bf16.h's bf16 type, declared as that header declares it: host code only passes pointers.
+struct __nv_bfloat16;
 
 namespace kda {
 
@@ -38,5 +42,38 @@ struct GatedRmsNormArgs {
 
 bool gated_rmsnorm_supported(const GatedRmsNormArgs& args, std::string* why = nullptr);
 void gated_rmsnorm(const GatedRmsNormArgs& args, Stream stream);
+
+namespace norm {
+
+constexpr int kHeadDim = 128;
+
+// The launch shape: one warp per (token, head) vector, kWarps vectors per block.
+struct RmsNormTraits {
+  static constexpr int kWarps = 8;  // vectors per block
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kLaneChannels = kHeadDim / 32;
+  static_assert(kLaneChannels == 4, "lanes move 4 bf16 (8 bytes) at a time");
+};
+
+// GatedRmsNormArgs as the kernel reads them: typed pointers, eps as fp32.
+struct RmsNormParams {
+  int64_t num_heads;
+  int64_t num_tokens;
+  const int32_t* query_start_loc;  // varlen.query_start_loc; nullptr: all num_tokens rows
+  int64_t num_seqs;                // varlen.num_seqs
+  const __nv_bfloat16* o;
+  int64_t o_stride;
+  const __nv_bfloat16* g2;
+  int64_t g2_stride;
+  const __nv_bfloat16* weight;
+  float eps;
+  __nv_bfloat16* y;
+  int64_t y_stride;
+};
+
+// The params of args (which passed gated_rmsnorm_supported()). Reads no device memory.
+RmsNormParams make_params(const GatedRmsNormArgs& args);
+
+}  // namespace norm
 
 }  // namespace kda

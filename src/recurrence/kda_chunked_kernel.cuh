@@ -50,7 +50,7 @@
 // sequence's chunks in one of three roles (block_walk, WalkRole), and scan_block joins the
 // segments; with segments off, pass 1 alone is the walk described above.
 // Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_dtype_is_bf16, a run-time flag):
-// load_state widens, store_state rounds to nearest even (common/state_storage.h); the carried
+// load_state widens, store_state rounds to nearest even (common/state_elements.h); the carried
 // state stays fp32 in registers. A checkpoint line is bitwise the final line of a run cut at its
 // offset in either type: the same registers, rounded the same way. A run continued from a bf16
 // line starts from the rounded state and so is not bitwise the uninterrupted run (from an fp32
@@ -85,7 +85,7 @@
 #include <cstring>
 
 #include "common/state_checkpoints.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "common/varlen_map.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"

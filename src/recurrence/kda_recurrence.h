@@ -81,7 +81,7 @@ struct RecurrenceArgs {
   // Recurrent-state pool (varlen.cache_lines, H, K, V), read and written in place; any strides
   // that do not make two elements overlap (e.g. (line, head, v, k) order). Elements are FP32
   // or BF16 (state_dtype): the kernels carry the state in fp32 and round a bf16 line once per
-  // store (common/state_storage.h); strides count elements of that type.
+  // store (common/state_elements.h); strides count elements of that type.
   void* states = nullptr;
   DType state_dtype = DType::FP32;
   int64_t state_stride_line = 0, state_stride_head = 0, state_stride_k = 0, state_stride_v = 0;
@@ -148,7 +148,7 @@ struct RecurrenceParams {
   float lower_bound;  // the bounded gate's bound; read only by the kernels instantiated for it
 
   // The state pool and the output. Pool elements are fp32, or bf16 when state_dtype_is_bf16
-  // (RecurrenceArgs::state_dtype == DType::BF16; common/state_storage.h: loads widen exactly,
+  // (RecurrenceArgs::state_dtype == DType::BF16; common/state_elements.h: loads widen exactly,
   // stores round to nearest even); the strides count elements of that type. The kernels carry
   // the state in fp32 either way and touch the pool only to load a sequence's line once and to
   // store it at checkpoints and at the end, so the element type is this run-time flag, not a

@@ -10,7 +10,7 @@
 
 #include "common/arg_checks.h"
 #include "common/check.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "common/varlen_map.h"
 #include "recurrence/kda_recurrence_token.h"
 
@@ -30,19 +30,20 @@ namespace recurrence {
 bool args_supported(const RecurrenceArgs& a, std::string* why) {
   using detail::aligned_to;
   using detail::fail;
+  using detail::in_range;
   using detail::kInt32Max;
   using detail::str_cat;
   if (a.head_dim != kHeadDim)
     return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
-  if (a.num_heads < 1 || a.num_heads > kMaxHeads)
+  if (!in_range(a.num_heads, 1, kMaxHeads))
     return fail(why, str_cat("num_heads ", a.num_heads, " is outside [1, ", kMaxHeads,
                              "] (the grid has ", kTokenSlices,
                              " blocks per head in y)"));
-  if (a.num_tokens < 0 || a.num_tokens > kInt32Max)
+  if (!in_range(a.num_tokens, 0, kInt32Max))
     return fail(why, str_cat("num_tokens ", a.num_tokens, " is outside [0, 2^31 - 1]"));
-  if (a.varlen.num_seqs < 0 || a.varlen.num_seqs > kInt32Max)
+  if (!in_range(a.varlen.num_seqs, 0, kInt32Max))
     return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " is outside [0, 2^31 - 1]"));
-  if (a.varlen.cache_lines < 0 || a.varlen.cache_lines > kInt32Max + 1)
+  if (!in_range(a.varlen.cache_lines, 0, kInt32Max + 1))
     return fail(why, str_cat("cache_lines ", a.varlen.cache_lines, " is outside [0, 2^31]"));
   if (!a.varlen.query_start_loc || !a.varlen.cache_indices)
     return fail(why, "query_start_loc and cache_indices must be set");
@@ -96,7 +97,7 @@ bool args_supported(const RecurrenceArgs& a, std::string* why) {
   if ((a.checkpoint_seqs == nullptr) != (a.checkpoint_entries == nullptr))
     return fail(why, "checkpoint_seqs and checkpoint_entries must be set together (or both "
                      "null: no checkpoints)");
-  if (a.max_checkpoints < 0 || a.max_checkpoints > kInt32Max)
+  if (!in_range(a.max_checkpoints, 0, kInt32Max))
     return fail(why, str_cat("max_checkpoints ", a.max_checkpoints,
                              " is outside [0, 2^31 - 1]"));
   if (a.checkpoint_seqs != nullptr) {
@@ -113,13 +114,9 @@ bool args_supported(const RecurrenceArgs& a, std::string* why) {
 
 RecurrenceParams make_recurrence_params(const RecurrenceArgs& a) {
   RecurrenceParams p{};
-  p.query_start_loc = a.varlen.query_start_loc;
-  p.cache_indices = a.varlen.cache_indices;
-  p.has_initial_state = a.varlen.has_initial_state;
+  varlen::copy_varlen_fields(p, a.varlen);
   p.null_line = a.varlen.null_line.value_or(-1);  // no null line: -1, skipped as out of range
-  p.cache_lines = a.varlen.cache_lines;
   p.num_tokens = a.num_tokens;
-  p.num_seqs = a.varlen.num_seqs;
   p.num_heads = static_cast<int>(a.num_heads);
   p.q = static_cast<const __nv_bfloat16*>(a.q);
   p.k = static_cast<const __nv_bfloat16*>(a.k);

@@ -22,7 +22,7 @@
 // block writes its columns of it to the checkpoint's line.
 // Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_dtype_is_bf16, a run-time
 // flag): the state is widened once when loaded and rounded to nearest even at each store,
-// through common/state_storage.h. A checkpoint line and the final line of a run cut there are the same
+// through common/state_elements.h. A checkpoint line and the final line of a run cut there are the same
 // registers rounded the same way, so they stay bitwise equal in either type. A run continued
 // from a bf16 line starts from the rounded state, so it is not bitwise the uninterrupted run
 // (an fp32 line stores the state exactly, and there it is).
@@ -35,7 +35,7 @@
 #include <cstdint>
 
 #include "common/device_math.cuh"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "recurrence/kda_recurrence.h"
 
 namespace kda {

@@ -5,8 +5,8 @@
 
 #include "common/check.h"
 #include "common/half_host.h"
-#include "common/state_storage.h"
-#include "conv/silu_recipe.h"
+#include "common/state_elements.h"
+#include "conv/conv_math.h"
 
 namespace kda::reference {
 namespace {

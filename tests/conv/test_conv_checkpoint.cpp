@@ -1,4 +1,4 @@
-// The conv-state checkpoint op on the CPU: its body (conv/conv_checkpoint_body.h, the code the
+// The conv-state checkpoint op on the CPU: its body (conv/conv_checkpoint_kernel.cuh, the code the
 // kernel runs) over every (entry, channel, tap) of random batches gives, bit for bit, the conv
 // state that the independent CPU conv reference (testing/conv_reference.h) leaves on a line
 // after running the sequence cut at the entry's end; nothing else in the pool changes;
@@ -22,7 +22,7 @@
 #include "common/half_host.h"
 #include "common/state_checkpoints.h"
 #include "conv/conv_checkpoint.h"
-#include "conv/conv_checkpoint_body.h"
+#include "conv/conv_checkpoint_kernel.cuh"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
 #include "support/test_data.h"

@@ -1,14 +1,14 @@
 // packed_causal_conv1d_supported() and the launcher's argument handling, on the CPU: every
 // reason is reported with a clear message, packed_causal_conv1d throws it as a kda::Error
 // before touching CUDA, and the launch shape (vector width, chunk length, grid) is as
-// documented in conv/conv_params.h.
+// documented in conv/packed_conv.h.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <limits>
 #include <string>
 
-#include "conv/conv_params.h"
+#include "conv/packed_conv.h"
 #include "common/varlen_map.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -397,10 +397,10 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     CHECK_FALSE(kda::conv::make_params(a).has_null_line);
   }
   SUBCASE("the conv-state element type is carried as a flag, with the same launch shape") {
-    CHECK_FALSE(p.state_bf16);
+    CHECK_FALSE(p.state_dtype_is_bf16);
     a.state_dtype = kda::DType::BF16;
     const kda::conv::PackedConvParams q = kda::conv::make_params(a);
-    CHECK(q.state_bf16);
+    CHECK(q.state_dtype_is_bf16);
     CHECK(q.conv_states == a.conv_states);
     CHECK(q.vec == p.vec);
     CHECK(q.num_ctas == p.num_ctas);

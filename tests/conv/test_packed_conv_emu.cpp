@@ -1,4 +1,4 @@
-// The packed conv kernel's program body (src/conv/packed_conv_body.cuh) executed on the CPU:
+// The packed conv kernel's program body (src/conv/packed_conv_kernel.cuh) executed on the CPU:
 // 32 std::threads play the lanes of a warp, a barrier stands for __syncwarp and carries the
 // ballots, and every program of the grid runs in turn. The outputs and the conv-state pool
 // must equal the CPU reference (kda::reference::causal_conv1d, stock fp32 order) bit for bit:
@@ -25,10 +25,10 @@
 
 #include "support/emu_barrier.h"
 #include "common/half_host.h"
-#include "common/state_storage.h"
-#include "conv/conv_params.h"
+#include "common/state_elements.h"
+#include "conv/packed_conv.h"
 #include "testing/conv_reference.h"
-#include "conv/packed_conv_body.cuh"
+#include "conv/packed_conv_kernel.cuh"
 #include "kda/packed_conv.h"
 
 namespace {
@@ -320,7 +320,7 @@ void run_emulation(const Problem& pr, const kda::conv::ConvTuning& tuning, const
   REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(a, &why), why);
   REQUIRE_MESSAGE(kda::conv::check_tuning(a, tuning).empty(), kda::conv::check_tuning(a, tuning));
   const kda::conv::PackedConvParams p = kda::conv::make_params(a, tuning);
-  REQUIRE(p.state_bf16 == bf16);
+  REQUIRE(p.state_dtype_is_bf16 == bf16);
   if (pr.num_tokens == 0 || a.varlen.num_seqs == 0) return;
   switch (pr.dtype) {
     case DType::BF16: run_for_vec<DType::BF16>(p, x_bytes, pr, state, out, bad_access); break;

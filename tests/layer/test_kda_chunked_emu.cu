@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "common/half_host.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
 // The block bodies alone: this file runs them with its own Ops (HostOps).

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "kda/error.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "kda/error.h"
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_recurrence.h"

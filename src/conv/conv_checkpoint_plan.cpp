@@ -1,11 +1,13 @@
-// conv_checkpoint_supported(): which arguments the conv-state checkpoint kernel runs. Reads no
-// device memory; pointers are only checked for null, alignment and overlap.
+// The conv-state checkpoint op's plan (conv_checkpoint.h): conv_checkpoint_supported(), which
+// arguments the kernel runs, and make_checkpoint_params(). Plain C++, no CUDA; reads no device
+// memory: pointers are only checked for null, alignment and overlap.
 #include <cstdint>
 #include <string>
 
 #include "common/arg_checks.h"
 #include "common/check.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
+#include "common/varlen_map.h"
 #include "conv/conv_checkpoint.h"
 
 namespace kda {
@@ -114,14 +116,10 @@ ConvCheckpointParams make_checkpoint_params(const ConvCheckpointArgs& a) {
   p.dim = a.dim;
   p.conv_states = a.conv_states;
   p.state_dtype = a.state_dtype;
-  p.cache_lines = a.varlen.cache_lines;
   p.state_stride_line = a.state_stride_line;
   p.state_stride_dim = a.state_stride_dim;
   p.state_stride_tap = a.state_stride_tap;
-  p.query_start_loc = a.varlen.query_start_loc;
-  p.num_seqs = a.varlen.num_seqs;
-  p.cache_indices = a.varlen.cache_indices;
-  p.has_initial_state = a.varlen.has_initial_state;
+  varlen::copy_varlen_fields(p, a.varlen);
   p.null_line = a.varlen.null_line.value_or(-1);
   p.entries = a.entries;
   p.max_entries = a.max_entries;

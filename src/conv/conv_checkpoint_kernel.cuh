@@ -1,16 +1,17 @@
-// The per-entry and per-element code of the conv-state checkpoint op (conv_checkpoint.h), shared
-// by the kernel (conv_checkpoint.cu) and the CPU tests, which run this very code on host arrays.
+// The device code of the conv-state checkpoint op (conv_checkpoint.h): the per-entry and
+// per-element code, shared by the kernel (at the end of this file) and the CPU tests, which run
+// this very code on host arrays.
 // Every read is a plain load through the argument pointers (device pointers in the kernel, host
 // pointers in the tests). Pool elements are fp32 or bf16 (state_dtype), read and written through
-// common/state_storage.h; a value is a bf16 input or an old tap, so either type holds it exactly.
-// Plain C++ with KDA_HOST_DEVICE; no CUDA header.
+// common/state_elements.h; a value is a bf16 input or an old tap, so either type holds it exactly.
+// Plain C++ with KDA_HOST_DEVICE up to the kernel, which only nvcc sees.
 #pragma once
 
 #include <cstdint>
 
 #include "common/host_device.h"
 #include "common/state_checkpoints.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "conv/conv_checkpoint.h"
 
 namespace kda::conv {
@@ -79,3 +80,30 @@ KDA_HOST_DEVICE inline void checkpoint_element(const ConvCheckpointParams& a, co
 }
 
 }  // namespace kda::conv
+
+// The kernel: compiled in conv_checkpoint.cu alone (internal linkage); a host compiler, or a
+// test defining KDA_EMULATED_BODIES_ONLY, sees the code above only.
+#if defined(__CUDACC__) && !defined(KDA_EMULATED_BODIES_ONLY)
+
+namespace kda::conv {
+namespace {
+
+// CTA (x, y): entry x, channels [y * kConvCheckpointChannelsPerCta, ...), one per thread, its 3
+// taps read before any is written. An unused or malformed entry returns at once.
+__global__ void __launch_bounds__(kConvCheckpointChannelsPerCta)
+conv_checkpoint_kernel(const ConvCheckpointParams a) {
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvCheckpointChannelsPerCta + threadIdx.x;
+  if (c >= a.dim) return;
+  const CheckpointSource s = checkpoint_source(a, blockIdx.x);
+  if (s.dst < 0) return;
+  float v[3];
+#pragma unroll
+  for (int j = 0; j < 3; ++j) v[j] = checkpoint_value(a, s, c, j);
+#pragma unroll
+  for (int j = 0; j < 3; ++j) checkpoint_store(a, s, c, j, v[j]);
+}
+
+}  // namespace
+}  // namespace kda::conv
+
+#endif  // __CUDACC__ && !KDA_EMULATED_BODIES_ONLY
