@@ -120,19 +120,19 @@ Row run_case(const Case& c, const cudaDeviceProp& prop, bool quick, cudaStream_t
     a.weight = weight.as<float>();
     a.bias = nullptr;
     a.conv_states = out.states.as<float>();
-    a.num_cache_lines = lines;
+    a.varlen.cache_lines = lines;
     a.state_len = kStateLen;
     // vLLM keeps the pool as (lines, 3, dim) and hands the conv its (lines, dim, 3) transpose.
     a.state_stride_line = kDim * kStateLen;
     a.state_stride_dim = 1;
     a.state_stride_tap = kDim;
-    a.query_start_loc = d_qsl.as<int32_t>();
-    a.num_seqs = c.seqs;
-    a.cache_indices = d_cache.as<int32_t>();
-    a.has_initial_state = d_init.as<bool>();
+    a.varlen.query_start_loc = d_qsl.as<int32_t>();
+    a.varlen.num_seqs = c.seqs;
+    a.varlen.cache_indices = d_cache.as<int32_t>();
+    a.varlen.has_initial_state = d_init.as<bool>();
     a.part_dim = kPartDim;
     a.silu = true;
-    a.null_block_id = 0;
+    a.varlen.null_line = 0;
     a.out = out.out.get();
     return a;
   };

@@ -2,7 +2,7 @@
 // ConvTuning (vec, chunk_len, warps_per_cta, chunks_per_cta) against the default launch and a
 // device copy of the same bytes, at the seed scale (bench_util.h's seed_model(): part_dim
 // 1536 x 3, in_proj row stride 4928, bf16, fp32 (lines, dim, 3) state, SiLU, no bias). It is
-// the measurement behind the defaults of src/conv/conv_params.h.
+// the measurement behind the defaults of src/conv/packed_conv.h.
 //
 //   bench_conv_tunings [--quick] [--out FILE] [--help]
 //
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "conv/conv_params.h"
+#include "conv/packed_conv.h"
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -110,18 +110,18 @@ void make_batch(Batch& b) {
     a.x_row_stride = kRowStride;
     a.weight = b.weight.as<float>();
     a.conv_states = s.state.as<float>();
-    a.num_cache_lines = b.lines;
+    a.varlen.cache_lines = b.lines;
     a.state_len = kStateLen;
     a.state_stride_line = kDim * kStateLen;
     a.state_stride_dim = kStateLen;
     a.state_stride_tap = 1;
-    a.query_start_loc = b.qsl.as<int32_t>();
-    a.num_seqs = b.seqs;
-    a.cache_indices = b.cache.as<int32_t>();
-    a.has_initial_state = b.flags.as<bool>();
+    a.varlen.query_start_loc = b.qsl.as<int32_t>();
+    a.varlen.num_seqs = b.seqs;
+    a.varlen.cache_indices = b.cache.as<int32_t>();
+    a.varlen.has_initial_state = b.flags.as<bool>();
     a.part_dim = kPartDim;
     a.silu = true;
-    a.null_block_id = 0;
+    a.varlen.null_line = 0;
     a.out = s.out.get();
   }
   BENCH_CUDA(cudaDeviceSynchronize());

@@ -1,5 +1,5 @@
 // Benchmark of the KDA core (spec steps 4 and 5: prep + gated delta rule): the token-by-token
-// kernel kda_prep_recurrence against the chunked tensor-core op kda_chunked, and the chunked
+// kernel kda_recurrence_token against the chunked tensor-core op kda_chunked, and the chunked
 // op's two phases alone (KdaChunkedPhases::PrepOnly, then StateOnly on the records the
 // PrepOnly launches wrote), on the shapes of docs/perf.md's KDA core table.
 //
@@ -30,6 +30,7 @@
 #include "kda/error.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
+#include "recurrence/kda_recurrence_token.h"
 #include "runtime/random_weights.h"
 
 namespace {
@@ -100,14 +101,14 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   BENCH_CUDA(cudaMemcpy(d_lines.get(), lines.data(), lines.size() * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMemcpy(d_init.get(), initial.data(), initial.size(), cudaMemcpyHostToDevice));
 
-  kda::PrepRecurrenceArgs a;
+  kda::RecurrenceArgs a;
   a.num_heads = heads;
   a.num_tokens = tokens;
-  a.max_seqs = seqs;
-  a.query_start_loc = d_qsl.as<int32_t>();
-  a.cache_indices = d_lines.as<int32_t>();
-  a.has_initial_state = d_init.as<bool>();
-  a.null_line = 0;
+  a.varlen.num_seqs = seqs;
+  a.varlen.query_start_loc = d_qsl.as<int32_t>();
+  a.varlen.cache_indices = d_lines.as<int32_t>();
+  a.varlen.has_initial_state = d_init.as<bool>();
+  a.varlen.null_line = 0;
   a.q = q.get();
   a.k = k.get();
   a.v = v.get();
@@ -121,14 +122,14 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   a.dt_bias = dt_bias.as<float>();
   a.states = pool.get();
   a.state_dtype = kda::DType::FP32;  // state_bytes below counts 4-byte elements
-  a.cache_lines = seqs + 1;
+  a.varlen.cache_lines = seqs + 1;
   a.state_stride_line = heads * kD * kD;
   a.state_stride_head = kD * kD;
   a.state_stride_k = kD;
   a.state_stride_v = 1;
   a.o = o.get();
   a.o_row_stride = part;
-  kda::PrepRecurrenceArgs whole = a;  // the same op with every sequence walked whole
+  kda::RecurrenceArgs whole = a;  // the same op with every sequence walked whole
   whole.segment_tokens = 0;
   const bool cut = kda::kda_chunked_workspace_bytes(a) > kda::kda_chunked_workspace_bytes(whole);
   DeviceMem work(kda::kda_chunked_workspace_bytes(a));
@@ -148,8 +149,8 @@ std::vector<Row> run_case(const Case& cs, cudaStream_t stream, int reps) {
   const auto chunked = [&](kda::KdaChunkedPhases phases) {
     return [&, phases] { kda::kda_chunked(a, work.get(), work.bytes(), stream, phases); };
   };
-  rows.push_back({cs.name, "kda_prep_recurrence (token by token)",
-                  median_us([&] { kda::kda_prep_recurrence(a, stream); }, stream, warmup, reps), 0.0,
+  rows.push_back({cs.name, "kda_recurrence_token (token by token)",
+                  median_us([&] { kda::kda_recurrence_token(a, stream); }, stream, warmup, reps), 0.0,
                   4 * plane_bytes + b_bytes + state_bytes + plane_bytes});
   rows.push_back({cs.name, "kda_chunked", median_us(chunked(kda::KdaChunkedPhases::Both), stream, warmup, reps),
                   prep_flop + state_flop, 4 * plane_bytes + b_bytes + 2 * record_bytes + state_bytes + plane_bytes});

@@ -1,7 +1,6 @@
 // What the bench/ programs share: the CUDA error check, device buffers, GPU timing with CUDA
 // events, the GPU-presence check, the seed-scale layer shape and markdown output.
-// Host C++ against the CUDA runtime API, so .cpp and .cu benchmarks include it alike; the one
-// device helper (diff_bits) is defined in bench_util.cu, which a program that calls it links.
+// Host C++ against the CUDA runtime API, so .cpp and .cu benchmarks include it alike.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,16 +17,15 @@
 #include <utility>
 #include <vector>
 
+#include "common/bit_compare.h"
+#include "common/cuda_check.h"
 #include "common/device_memory.h"
 #include "kda/config.h"
 
 namespace kda::bench {
 
-// Throws std::runtime_error naming the failed call and CUDA's reason.
-inline void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
-}
-#define BENCH_CUDA(expr) ::kda::bench::cuda_check((expr), #expr)
+// Throws kda::Error naming the failed call and CUDA's reason: the library's check.
+#define BENCH_CUDA(expr) KDA_CUDA_CHECK("kda::bench", expr)
 
 // Exit status of a benchmark that found no usable GPU (nothing was measured).
 constexpr int kExitNoGpu = 2;
@@ -108,9 +106,15 @@ double time_back_to_back_us(cudaStream_t stream, int warmup, int reps, Launch&& 
   return 1000.0 * stop.elapsed_ms_since(start) / reps;
 }
 
-// Set bits of a XOR b over `bytes` bytes (a multiple of 4) of device memory: 0 when the two
-// are bitwise equal. Synchronises `stream`. Defined in bench_util.cu.
-uint64_t diff_bits(const void* a, const void* b, std::size_t bytes, cudaStream_t stream);
+// Bits in which `bytes` bytes of device memory at a and b differ (common/bit_compare.h's count,
+// on host copies): 0 when the two are bitwise equal. Synchronises `stream`.
+inline uint64_t diff_bits(const void* a, const void* b, std::size_t bytes, cudaStream_t stream) {
+  std::vector<unsigned char> ha(bytes), hb(bytes);
+  BENCH_CUDA(cudaMemcpyAsync(ha.data(), a, bytes, cudaMemcpyDeviceToHost, stream));
+  BENCH_CUDA(cudaMemcpyAsync(hb.data(), b, bytes, cudaMemcpyDeviceToHost, stream));
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  return static_cast<uint64_t>(kda::detail::diff_bits(ha.data(), hb.data(), bytes));
+}
 
 // The layer of configs/default.yaml, the benchmarks' seed scale: D 7168, H 12, K = V 128,
 // r 128, so part_dim P 1536, W_in = 3P + H + 2r = 4876 and the in_proj row stride 4928.

@@ -1,5 +1,6 @@
 // Host-side data helpers of the example driver: seeded random bf16 hidden states and the
-// comparisons the driver prints (differing bits, relative Frobenius error). Plain C++, no CUDA.
+// comparisons the driver prints (differing bits, common/bit_compare.h; relative Frobenius
+// error). Plain C++, no CUDA.
 #pragma once
 
 #include <cmath>
@@ -7,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "common/bit_compare.h"
 
 namespace driver {
 
@@ -46,12 +49,6 @@ inline double rel_error_bf16(const std::vector<uint16_t>& got, const std::vector
   return std::isfinite(num) ? std::sqrt(num / (den > 0 ? den : 1)) : INFINITY;
 }
 
-inline int64_t diff_bits(const void* a, const void* b, size_t bytes) {
-  auto* pa = static_cast<const unsigned char*>(a);
-  auto* pb = static_cast<const unsigned char*>(b);
-  int64_t bits = 0;
-  for (size_t i = 0; i < bytes; ++i) bits += __builtin_popcount(static_cast<unsigned>(pa[i] ^ pb[i]));
-  return bits;
-}
+using kda::detail::diff_bits;  // differing bits of two equally long host byte ranges
 
 }  // namespace driver

@@ -47,6 +47,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/cuda_check.h"
 #include "common/device_memory.h"
 #include "host_data.h"
 #include "prefix_sharing.h"
@@ -354,7 +355,7 @@ ModuleMemory module_memory(const kda::Config& cfg) {
   mem.once.push_back({"cuBLASLt workspace", rt.gemm_workspace_bytes, "runtime.gemm_workspace_mib"});
   // LayerProgram, for recurrence: chunked: kda_chunked_workspace_bytes (recurrence/kda_chunked.cu)
   // of the largest bucket and max_seqs: chunk_slots = (B >> kChunkShift 6) + max_seqs, times H,
-  // times Record::kBytes = 90624 (recurrence/kda_chunked_body.cuh).
+  // times Record::kBytes = 90624 (recurrence/kda_chunked_kernel.cuh).
   if (chunked)
     mem.once.push_back({"chunked recurrence workspace", ((B >> 6) + S) * H * 90624,
                         "(" + n(B) + "/64 + max_seqs " + n(S) + ") x H " + n(H) + " x 90624-byte record"});
@@ -530,7 +531,7 @@ Timing time_forwards(kda::PrefillModule& m, const HostBatch& batch, int iters, c
 
 #if KDA_HAVE_NCCL
 void cuda_try(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(e));
+  kda::detail::check_cuda(e, "prefill_driver --tp", what, __FILE__, __LINE__);
 }
 
 template <typename T>

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda_check.h"
 #include "host_data.h"
 #include "kda/config.h"
 
@@ -35,7 +36,7 @@ int64_t prompt_tokens(const kda::Config& cfg) {
 }
 
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("--prefix-sharing: ") + what + ": " + cudaGetErrorString(e));
+  kda::detail::check_cuda(e, "prefill_driver --prefix-sharing", what, __FILE__, __LINE__);
 }
 
 // One sequence on `line`, rows [0, len) of hidden_states(), optionally with checkpoints.

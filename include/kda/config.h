@@ -39,7 +39,7 @@ enum class LayerSteps {
 
 enum class Recurrence {
   Chunked,       // 64-token chunks in the WY/UT form on tensor cores (kda_chunked): the fast path
-  TokenByToken,  // the spec's loop, one token at a time (kda_prep_recurrence): the reference path
+  TokenByToken,  // the spec's loop, one token at a time (kda_recurrence_token): the reference path
 };
 
 struct RuntimeConfig {

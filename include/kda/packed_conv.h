@@ -9,11 +9,11 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
 #include "kda/error.h"
 #include "kda/types.h"
+#include "kda/varlen.h"
 
 namespace kda {
 
@@ -24,29 +24,25 @@ struct PackedConvArgs {
   const float* weight = nullptr;                          // (dim, 4), taps oldest first
   int64_t weight_stride_dim = 4, weight_stride_tap = 1;
   const float* bias = nullptr;                            // (dim) or nullptr
-  void* conv_states = nullptr;                            // (num_cache_lines, dim, state_len), in place
+  void* conv_states = nullptr;                            // (varlen.cache_lines, dim, state_len), in place
   DType state_dtype = DType::FP32;                        // FP32, or BF16 with x_dtype BF16 (exact)
-  int64_t num_cache_lines = 0, state_len = 3;             // state_len >= 3; only taps 0..2 are used
+  int64_t state_len = 3;                                  // >= 3; only taps 0..2 are used
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
-  const int32_t* query_start_loc = nullptr;               // (num_seqs + 1), non-decreasing
-  int64_t num_seqs = 0;
-  const int32_t* cache_indices = nullptr;                 // (num_seqs), element stride below
-  int64_t cache_indices_stride = 1;
-  const bool* has_initial_state = nullptr;                // (num_seqs); nullptr: none has one
+  VarlenArgs varlen;                                      // the batch; cache_lines >= 1
+  int64_t cache_indices_stride = 1;                       // element stride of varlen.cache_indices
   int64_t part_dim = 0;                                   // dim = parts x part_dim
   bool silu = true;
-  std::optional<int32_t> null_block_id = 0;               // sequences on this line are skipped
   void* out = nullptr;                                    // (dim / part_dim, num_tokens, part_dim), x_dtype
   int64_t out_plane_stride = 0;                           // elements between planes; 0: num_tokens * part_dim
 };
 
-// num_tokens and num_seqs are capacities: the grid depends only on them and on dim/part_dim
-// (and on x_dtype and the alignment of x and out, which pick the vector width; a captured
-// graph fixes all of these), never on the contents of query_start_loc.
+// num_tokens and varlen.num_seqs are capacities: the grid depends only on them and on
+// dim/part_dim (and on x_dtype and the alignment of x and out, which pick the vector width; a
+// captured graph fixes all of these), never on the contents of query_start_loc.
 // Sequences past the real ones have zero length (repeated query_start_loc values), so one
 // captured launch serves every batch that fits. A sequence whose cache index equals
-// null_block_id, or lies outside [0, num_cache_lines), is skipped: it writes no output and
-// touches no state. Output rows past query_start_loc[num_seqs] are never written.
+// varlen.null_line, or lies outside [0, varlen.cache_lines), is skipped: it writes no output
+// and touches no state. Output rows past query_start_loc[num_seqs] are never written.
 // Two sequences naming the same cache line is undefined behaviour (validate on the host).
 
 // True when packed_causal_conv1d reproduces the stock path bit for bit for these arguments

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/host_device.h"
+#include "kda/varlen.h"
 
 namespace kda::varlen {
 
@@ -182,6 +183,18 @@ KDA_HOST_DEVICE inline SlotChunk locate_slot_warp(int64_t num_seqs, int chunk_sh
   const int32_t seq_begin = shfl(value, n - 1);
   const int32_t next = shfl(value, n < kRadix ? n : 0);
   return chunk_in_bounds(seq, seq_begin, n < kRadix ? next : load(seq + 1), chunk_shift, p);
+}
+
+// The VarlenArgs fields that every op's kernel params hold flat under the same names, copied by
+// each plan's make_params (host code). The null line each op carries its own way: a flag and a
+// value (the conv paths), or -1 for none (the recurrence, the conv checkpoints).
+template <typename Params>
+void copy_varlen_fields(Params& p, const VarlenArgs& v) {
+  p.query_start_loc = v.query_start_loc;
+  p.num_seqs = v.num_seqs;
+  p.cache_indices = v.cache_indices;
+  p.has_initial_state = v.has_initial_state;
+  p.cache_lines = v.cache_lines;
 }
 
 }  // namespace kda::varlen

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "common/check.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "config/config_limits.h"
 #include "config/config_source.h"
 #include "kda/config.h"

@@ -1,5 +1,5 @@
-// The conv-state checkpoint kernel and its launcher (conv_checkpoint.h). The per-entry and
-// per-element code is conv_checkpoint_body.h, which the CPU tests run on host arrays.
+// The conv-state checkpoint op's launch (conv_checkpoint.h): the checks and params of its plan
+// (conv_checkpoint_plan.cpp), then the kernel of conv_checkpoint_kernel.cuh.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -8,30 +8,7 @@
 #include "common/check.h"
 #include "common/cuda_check.h"
 #include "conv/conv_checkpoint.h"
-#include "conv/conv_checkpoint_body.h"
-
-namespace kda::conv {
-
-namespace {
-
-// CTA (x, y): entry x, channels [y * kConvCheckpointChannelsPerCta, ...), one per thread, its 3
-// taps read before any is written. An unused or malformed entry returns at once.
-__global__ void __launch_bounds__(kConvCheckpointChannelsPerCta)
-conv_checkpoint_kernel(const ConvCheckpointArgs a) {
-  const int64_t c = static_cast<int64_t>(blockIdx.y) * kConvCheckpointChannelsPerCta + threadIdx.x;
-  if (c >= a.dim) return;
-  const CheckpointSource s = checkpoint_source(a, blockIdx.x);
-  if (s.dst < 0) return;
-  float v[3];
-#pragma unroll
-  for (int j = 0; j < 3; ++j) v[j] = checkpoint_value(a, s, c, j);
-#pragma unroll
-  for (int j = 0; j < 3; ++j) checkpoint_store(a, s, c, j, v[j]);
-}
-
-}  // namespace
-
-}  // namespace kda::conv
+#include "conv/conv_checkpoint_kernel.cuh"
 
 namespace kda {
 
@@ -44,7 +21,7 @@ void conv_checkpoint(const ConvCheckpointArgs& args, Stream stream) {
       (args.dim + kConvCheckpointChannelsPerCta - 1) / kConvCheckpointChannelsPerCta;
   const dim3 grid(static_cast<unsigned>(args.max_entries), static_cast<unsigned>(col_blocks));
   conv::conv_checkpoint_kernel<<<grid, kConvCheckpointChannelsPerCta, 0,
-                                 static_cast<cudaStream_t>(stream)>>>(args);
+                                 static_cast<cudaStream_t>(stream)>>>(conv::make_checkpoint_params(args));
   KDA_CUDA_CHECK(kFn, cudaGetLastError());
 }
 

@@ -10,7 +10,8 @@
 // the same pool after running the sequence cut at `end` rows.
 //
 // The entries (common/state_checkpoints.h) are read from device memory: one captured launch
-// replays with new entries. CUDA-free.
+// replays with new entries. CUDA-free: conv_checkpoint_plan.cpp is the plan (checks, params),
+// conv_checkpoint_kernel.cuh the device code, conv_checkpoint.cu the launch.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include "common/state_checkpoints.h"
 #include "kda/error.h"
 #include "kda/types.h"
+#include "kda/varlen.h"
 
 namespace kda {
 
@@ -28,30 +30,27 @@ struct ConvCheckpointArgs {
   int64_t x_row_stride = 0;    // >= dim
   int64_t num_tokens = 0;      // capacity (rows of x)
   int64_t dim = 0;             // channels (3P for the Q|K|V columns)
-  void* conv_states = nullptr;   // (num_cache_lines, dim, taps), only taps 0..2 read or written
+  void* conv_states = nullptr;   // (varlen.cache_lines, dim, taps), only taps 0..2 read or written
   DType state_dtype = DType::FP32;  // FP32 or BF16 (bf16 inputs: a bf16 line stores them exactly)
-  int64_t num_cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
-  const int32_t* query_start_loc = nullptr;  // (num_seqs + 1), the window's
-  int64_t num_seqs = 0;                      // capacity
-  const int32_t* cache_indices = nullptr;    // (num_seqs), element stride 1
-  const bool* has_initial_state = nullptr;   // (num_seqs); nullptr: none has one
-  int32_t null_line = 0;                     // sequences on it are skipped; no checkpoint is written to it
+  // The window's sequences: cache_indices with element stride 1, cache_lines >= 1; sequences on
+  // null_line are skipped and no checkpoint is written to it.
+  VarlenArgs varlen;
   const CheckpointEntry* entries = nullptr;  // (max_entries), 16-byte aligned; unused: line -1
   int64_t max_entries = 0;                   // capacity; 0: the op does nothing
 };
 
 // Semantics (values in fp32, stored in the pool's type), for entry i < max_entries with
-// entries[i].line >= 0: with s = entries[i].seq,
-// bos = query_start_loc[s], line_s = cache_indices[s], for channel c < dim and tap j in 0..2,
+// entries[i].line >= 0: with s = entries[i].seq, bos = varlen.query_start_loc[s],
+// line_s = varlen.cache_indices[s], for channel c < dim and tap j in 0..2,
 // r = end - 3 + j:
 //   conv_states[line, c, j] = r >= 0 ? float(x[bos + r, c])
 //                                    : has_initial_state[s] ? conv_states[line_s, c, 3 + r] : 0.0f
 // The host guarantees well-formed entries (common/state_checkpoints.h); malformed device data
 // never makes the kernel touch memory outside the arrays these arguments describe: an entry is
-// skipped (writes nothing) when its line is outside [0, num_cache_lines), the null line or its
+// skipped (writes nothing) when its line is outside [0, cache_lines), the null line or its
 // sequence's own line, its seq is outside [0, num_seqs), its sequence's line is the null line or
-// outside [0, num_cache_lines), its sequence's rows are not within [0, num_tokens), or end is
+// outside [0, cache_lines), its sequence's rows are not within [0, num_tokens), or end is
 // below 1 or above the sequence's rows. Two entries on one line, or an entry on the line of
 // another sequence of the batch, is undefined (validate on the host) but stays in bounds.
 //
@@ -71,5 +70,33 @@ void conv_checkpoint(const ConvCheckpointArgs& args, Stream stream);
 
 // Channels per CTA (one per thread, the 3 taps each).
 constexpr int kConvCheckpointChannelsPerCta = 256;
+
+namespace conv {
+
+// ConvCheckpointArgs as the kernel (and the CPU tests, through conv_checkpoint_kernel.cuh) read
+// them: the varlen fields flat, the null line as a value (-1 when varlen.null_line is empty:
+// a line below 0 is skipped anyway).
+struct ConvCheckpointParams {
+  const void* x = nullptr;
+  int64_t x_row_stride = 0;
+  int64_t num_tokens = 0;
+  int64_t dim = 0;
+  void* conv_states = nullptr;
+  DType state_dtype = DType::FP32;
+  int64_t cache_lines = 0;
+  int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
+  const int32_t* query_start_loc = nullptr;
+  int64_t num_seqs = 0;
+  const int32_t* cache_indices = nullptr;
+  const bool* has_initial_state = nullptr;
+  int32_t null_line = 0;
+  const CheckpointEntry* entries = nullptr;
+  int64_t max_entries = 0;
+};
+
+// The params of args (which passed conv_checkpoint_supported()). Reads no device memory.
+ConvCheckpointParams make_checkpoint_params(const ConvCheckpointArgs& args);
+
+}  // namespace conv
 
 }  // namespace kda

@@ -5,6 +5,7 @@
 #include "common/check.h"
 #include "common/cuda_check.h"
 #include "recurrence/kda_chunked.h"
+#include "recurrence/kda_recurrence_token.h"
 
 namespace kda::detail {
 
@@ -14,6 +15,19 @@ constexpr const char* kCtorFn = "kda::PrefillModule::PrefillModule";
 const ModelConfig& model_of(const StepContext& ctx, const char* fn) {
   KDA_CHECK(ctx.config && ctx.weights, fn, "the step context has no config or no weights");
   return ctx.config->model;
+}
+
+// The window's batch as every op reads it: the staged metadata at max_seqs entries and the
+// pools' lines (both pools have pools.cache_lines lines and the same null line).
+VarlenArgs varlen_of(const StepContext& ctx) {
+  VarlenArgs v;
+  v.query_start_loc = ctx.query_start_loc;
+  v.num_seqs = ctx.max_seqs;
+  v.cache_indices = ctx.cache_indices;
+  v.has_initial_state = ctx.has_initial_state;
+  v.null_line = ctx.config->pools.null_line;
+  v.cache_lines = ctx.config->pools.cache_lines;
+  return v;
 }
 }  // namespace
 
@@ -71,19 +85,14 @@ PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   a.bias = nullptr;
   a.conv_states = ctx.conv_states;
   a.state_dtype = ctx.conv_state_dtype;
-  a.num_cache_lines = ctx.config->pools.cache_lines;
   a.state_len = 3;
   a.state_stride_line = ctx.conv_strides.line;
   a.state_stride_dim = ctx.conv_strides.dim;
   a.state_stride_tap = ctx.conv_strides.tap;
-  a.query_start_loc = ctx.query_start_loc;
-  a.num_seqs = ctx.max_seqs;
-  a.cache_indices = ctx.cache_indices;
+  a.varlen = varlen_of(ctx);
   a.cache_indices_stride = 1;
-  a.has_initial_state = ctx.has_initial_state;
   a.part_dim = P;
   a.silu = true;
-  a.null_block_id = ctx.config->pools.null_line;
   a.out = ctx.q;  // planes q, k, v follow each other at capacity * P
   a.out_plane_stride = ctx.config->runtime.batch_token_capacity() * P;
   return a;
@@ -98,15 +107,10 @@ ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx) {
   a.dim = 3 * m.part_dim();
   a.conv_states = ctx.conv_states;
   a.state_dtype = ctx.conv_state_dtype;
-  a.num_cache_lines = ctx.config->pools.cache_lines;
   a.state_stride_line = ctx.conv_strides.line;
   a.state_stride_dim = ctx.conv_strides.dim;
   a.state_stride_tap = ctx.conv_strides.tap;
-  a.query_start_loc = ctx.query_start_loc;
-  a.num_seqs = ctx.max_seqs;
-  a.cache_indices = ctx.cache_indices;
-  a.has_initial_state = ctx.has_initial_state;
-  a.null_line = ctx.config->pools.null_line;
+  a.varlen = varlen_of(ctx);
   a.entries = reinterpret_cast<const CheckpointEntry*>(ctx.checkpoint_entries);
   a.max_entries = ctx.checkpoint_entries ? ctx.config->runtime.max_checkpoints : 0;
   return a;
@@ -124,18 +128,14 @@ int64_t segment_tokens_of(const Config& config) {
 }
 }  // namespace
 
-PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
+RecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   const StepContext& ctx = in.ctx;
   const ModelConfig& m = model_of(ctx, "kda::detail::recurrence_args_for_step");
-  PrepRecurrenceArgs a;
+  RecurrenceArgs a;
   a.num_heads = m.num_heads;
   a.head_dim = m.head_dim;
   a.num_tokens = ctx.bucket_tokens;
-  a.max_seqs = ctx.max_seqs;
-  a.query_start_loc = ctx.query_start_loc;
-  a.cache_indices = ctx.cache_indices;
-  a.has_initial_state = ctx.has_initial_state;
-  a.null_line = ctx.config->pools.null_line;
+  a.varlen = varlen_of(ctx);
   a.q = ctx.q;
   a.k = ctx.k;
   a.v = ctx.v;
@@ -150,7 +150,6 @@ PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   a.gate_lower_bound = m.gate_lower_bound;
   a.states = ctx.recurrent_states;
   a.state_dtype = ctx.recurrent_state_dtype;
-  a.cache_lines = ctx.config->pools.cache_lines;
   a.state_stride_line = ctx.recurrent_strides.line;
   a.state_stride_head = ctx.recurrent_strides.head;
   a.state_stride_k = ctx.recurrent_strides.k;
@@ -173,8 +172,7 @@ GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in) {
   a.num_heads = m.num_heads;
   a.head_dim = m.head_dim;
   a.num_tokens = ctx.bucket_tokens;
-  a.query_start_loc = ctx.query_start_loc;
-  a.num_seqs = ctx.max_seqs;
+  a.varlen = varlen_of(ctx);
   a.o = in.o;
   a.o_row_stride = m.part_dim();
   a.g2 = in.g2;
@@ -217,11 +215,11 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
   gemm_workspace_ = DeviceBuffer(workspace_bytes, "cuBLASLt workspace");
   if (chunked()) {
     // Sized for the largest bucket and max_seqs: the capacities every window's launch uses.
-    PrepRecurrenceArgs a;
+    RecurrenceArgs a;
     a.num_heads = H;
     a.head_dim = m.head_dim;
     a.num_tokens = B;
-    a.max_seqs = config.runtime.max_seqs;
+    a.varlen.num_seqs = config.runtime.max_seqs;
     a.segment_tokens = segment_tokens_of(config);
     chunked_workspace_ = DeviceBuffer(kda_chunked_workspace_bytes(a), "chunked recurrence workspace");
   }
@@ -330,8 +328,8 @@ LayerProgram::Unsupported LayerProgram::why_unsupported(const StepInputs& in) co
              !conv_checkpoint_supported(conv_checkpoint_args_for_step(in.ctx), &u.why)) {
     u.step = "the conv checkpoints";
   } else if (full_layer()) {
-    const PrepRecurrenceArgs rec = recurrence_args_for_step(in);
-    if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_prep_recurrence_supported(rec, &u.why))
+    const RecurrenceArgs rec = recurrence_args_for_step(in);
+    if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_recurrence_token_supported(rec, &u.why))
       u.step = "the recurrence";
     else if (!gated_rmsnorm_supported(rmsnorm_args_for_step(in), &u.why))
       u.step = "the gated RMSNorm";
@@ -372,11 +370,11 @@ void LayerProgram::run_gates(const StepInputs& in, Stream stream) const {
 // (4)+(5) L2 norms, decay, beta and the gated delta rule over each sequence, with the recurrent
 // pool line read and written back.
 void LayerProgram::run_recurrence(const StepInputs& in, Stream stream) const {
-  const PrepRecurrenceArgs args = recurrence_args_for_step(in);
+  const RecurrenceArgs args = recurrence_args_for_step(in);
   if (chunked())
     kda_chunked(args, in.chunked_workspace, in.chunked_workspace_bytes, stream);
   else
-    kda_prep_recurrence(args, stream);
+    kda_recurrence_token(args, stream);
 }
 
 // (6) gated RMSNorm per head.

@@ -51,7 +51,7 @@ struct StepInputs {
 //    recurrence gets the per-sequence records and the entries too).
 PackedConvArgs conv_args_for_step(const StepContext& ctx);
 ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx);
-PrepRecurrenceArgs recurrence_args_for_step(const StepInputs& in);
+RecurrenceArgs recurrence_args_for_step(const StepInputs& in);
 GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in);
 
 // The element strides of a pool line of the config's layout (pools.conv_layout,

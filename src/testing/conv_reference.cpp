@@ -5,8 +5,8 @@
 
 #include "common/check.h"
 #include "common/half_host.h"
-#include "common/state_storage.h"
-#include "conv/silu_recipe.h"
+#include "common/state_elements.h"
+#include "conv/conv_math.h"
 
 namespace kda::reference {
 namespace {
@@ -44,34 +44,34 @@ void validate(const PackedConvArgs& a) {
             "state_dtype bf16 needs x_dtype bf16 (a bf16 line would round ", dtype_name(a.x_dtype),
             " inputs)");
   KDA_CHECK(a.num_tokens >= 0, kFn, "num_tokens is ", a.num_tokens, ", expected >= 0");
-  KDA_CHECK(a.num_seqs >= 0, kFn, "num_seqs is ", a.num_seqs, ", expected >= 0");
+  KDA_CHECK(a.varlen.num_seqs >= 0, kFn, "num_seqs is ", a.varlen.num_seqs, ", expected >= 0");
   KDA_CHECK(a.part_dim > 0, kFn, "part_dim is ", a.part_dim, ", expected > 0");
   KDA_CHECK(a.dim > 0 && a.dim % a.part_dim == 0, kFn, "dim ", a.dim,
             " is not a positive multiple of part_dim ", a.part_dim);
   KDA_CHECK(a.x_row_stride >= a.dim, kFn, "x_row_stride ", a.x_row_stride, " is below dim ", a.dim);
   KDA_CHECK(a.state_len >= 3, kFn, "state_len is ", a.state_len, ", expected >= 3");
-  KDA_CHECK(a.num_cache_lines >= 0, kFn, "num_cache_lines is ", a.num_cache_lines, ", expected >= 0");
+  KDA_CHECK(a.varlen.cache_lines >= 0, kFn, "cache_lines is ", a.varlen.cache_lines, ", expected >= 0");
   KDA_CHECK(a.out_plane_stride == 0 || a.out_plane_stride >= a.num_tokens * a.part_dim, kFn,
             "out_plane_stride ", a.out_plane_stride, " is below num_tokens * part_dim = ",
             a.num_tokens * a.part_dim);
-  KDA_CHECK(a.query_start_loc != nullptr, kFn, "query_start_loc is null");
-  if (a.num_seqs == 0) return;
-  KDA_CHECK(a.query_start_loc[0] >= 0, kFn, "query_start_loc[0] is ", a.query_start_loc[0],
+  KDA_CHECK(a.varlen.query_start_loc != nullptr, kFn, "query_start_loc is null");
+  if (a.varlen.num_seqs == 0) return;
+  KDA_CHECK(a.varlen.query_start_loc[0] >= 0, kFn, "query_start_loc[0] is ", a.varlen.query_start_loc[0],
             ", expected >= 0");
-  for (int64_t s = 0; s < a.num_seqs; ++s)
-    KDA_CHECK(a.query_start_loc[s + 1] >= a.query_start_loc[s], kFn, "query_start_loc decreases at ",
-              s + 1, ": ", a.query_start_loc[s], " then ", a.query_start_loc[s + 1]);
-  KDA_CHECK(a.query_start_loc[a.num_seqs] <= a.num_tokens, kFn, "query_start_loc[", a.num_seqs,
-            "] = ", a.query_start_loc[a.num_seqs], " exceeds num_tokens ", a.num_tokens);
+  for (int64_t s = 0; s < a.varlen.num_seqs; ++s)
+    KDA_CHECK(a.varlen.query_start_loc[s + 1] >= a.varlen.query_start_loc[s], kFn, "query_start_loc decreases at ",
+              s + 1, ": ", a.varlen.query_start_loc[s], " then ", a.varlen.query_start_loc[s + 1]);
+  KDA_CHECK(a.varlen.query_start_loc[a.varlen.num_seqs] <= a.num_tokens, kFn, "query_start_loc[", a.varlen.num_seqs,
+            "] = ", a.varlen.query_start_loc[a.varlen.num_seqs], " exceeds num_tokens ", a.num_tokens);
   // With no token rows every sequence is empty: nothing is read or written, as on the GPU.
   if (a.num_tokens == 0) return;
-  KDA_CHECK(a.x && a.weight && a.conv_states && a.cache_indices && a.out, kFn,
+  KDA_CHECK(a.x && a.weight && a.conv_states && a.varlen.cache_indices && a.out, kFn,
             "x, weight, conv_states, cache_indices and out must be non-null");
 }
 
 bool skipped(const PackedConvArgs& a, int32_t line) {
-  if (a.null_block_id && line == *a.null_block_id) return true;
-  return line < 0 || line >= a.num_cache_lines;
+  if (a.varlen.null_line && line == *a.varlen.null_line) return true;
+  return line < 0 || line >= a.varlen.cache_lines;
 }
 
 float conv_one(const PackedConvArgs& a, ConvMath math, int64_t channel, const float h[4]) {
@@ -95,12 +95,12 @@ void causal_conv1d(const PackedConvArgs& a, ConvMath math) {
   validate(a);
   if (a.num_tokens == 0) return;
   const int64_t plane_stride = a.out_plane_stride ? a.out_plane_stride : a.num_tokens * a.part_dim;
-  for (int64_t s = 0; s < a.num_seqs; ++s) {
-    const int64_t begin = a.query_start_loc[s];
-    const int64_t len = a.query_start_loc[s + 1] - begin;
-    const int32_t line = a.cache_indices[s * a.cache_indices_stride];
+  for (int64_t s = 0; s < a.varlen.num_seqs; ++s) {
+    const int64_t begin = a.varlen.query_start_loc[s];
+    const int64_t len = a.varlen.query_start_loc[s + 1] - begin;
+    const int32_t line = a.varlen.cache_indices[s * a.cache_indices_stride];
     if (len == 0 || skipped(a, line)) continue;
-    const bool init = a.has_initial_state && a.has_initial_state[s];
+    const bool init = a.varlen.has_initial_state && a.varlen.has_initial_state[s];
     const bool bf16_state = a.state_dtype == DType::BF16;
     const int64_t state_line = line * a.state_stride_line;  // in elements of the pool's type
     // ext(c, k) is channel c of local token k - 3: three history values, then the inputs.

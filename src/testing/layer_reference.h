@@ -133,7 +133,7 @@ PreparedTokens prepare_tokens(const Matrix& q, const Matrix& k, const Matrix& g1
 Matrix recurrence(const PreparedTokens& prep, const Matrix& v, const HostBatch& batch,
                   const StatePool& pool, bool round_bf16 = true, int threads = 0);
 
-// What the fused GPU op kda_prep_recurrence computes: prepare_tokens, then recurrence.
+// What the fused GPU op kda_recurrence_token computes: prepare_tokens, then recurrence.
 Matrix prep_recurrence(const Matrix& q, const Matrix& k, const Matrix& v, const Matrix& g1,
                        const Matrix& b_logits, const float* a_log, const float* dt_bias,
                        std::optional<double> lower_bound, const HostBatch& batch,

@@ -1,4 +1,4 @@
-// The conv-state checkpoint op on the CPU: its body (conv/conv_checkpoint_body.h, the code the
+// The conv-state checkpoint op on the CPU: its body (conv/conv_checkpoint_kernel.cuh, the code the
 // kernel runs) over every (entry, channel, tap) of random batches gives, bit for bit, the conv
 // state that the independent CPU conv reference (testing/conv_reference.h) leaves on a line
 // after running the sequence cut at the entry's end; nothing else in the pool changes;
@@ -22,7 +22,7 @@
 #include "common/half_host.h"
 #include "common/state_checkpoints.h"
 #include "conv/conv_checkpoint.h"
-#include "conv/conv_checkpoint_body.h"
+#include "conv/conv_checkpoint_kernel.cuh"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
 #include "support/test_data.h"
@@ -82,15 +82,15 @@ struct Host {
     a.dim = dim;
     a.conv_states = states;
     a.state_dtype = state_dtype;
-    a.num_cache_lines = lines;
+    a.varlen.cache_lines = lines;
     a.state_stride_line = sl;
     a.state_stride_dim = sd;
     a.state_stride_tap = st;
-    a.query_start_loc = qsl.data();
-    a.num_seqs = seqs;
-    a.cache_indices = cache.data();
-    a.has_initial_state = init.get();
-    a.null_line = null_line;
+    a.varlen.query_start_loc = qsl.data();
+    a.varlen.num_seqs = seqs;
+    a.varlen.cache_indices = cache.data();
+    a.varlen.has_initial_state = init.get();
+    a.varlen.null_line = null_line;
     a.entries = entries.data();
     a.max_entries = static_cast<int64_t>(entries.size());
     return a;
@@ -226,7 +226,8 @@ Host make_host(const Case& cs, uint64_t seed) {
 template <typename T>
 void run_body(const Host& h, std::vector<T>& pool) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 2, "an fp32 or a bf16 pool");
-  const ConvCheckpointArgs a = h.args(pool.data(), sizeof(T) == 2 ? kda::DType::BF16 : kda::DType::FP32);
+  const kda::conv::ConvCheckpointParams a = kda::conv::make_checkpoint_params(
+      h.args(pool.data(), sizeof(T) == 2 ? kda::DType::BF16 : kda::DType::FP32));
   for (int64_t i = 0; i < a.max_entries; ++i) {
     const kda::conv::CheckpointSource s = kda::conv::checkpoint_source(a, i);
     for (int64_t c = 0; c < a.dim; ++c)
@@ -259,18 +260,18 @@ std::vector<T> expected_pool(const Host& h, const std::vector<T>& start) {
     a.weight = weight.data();
     a.conv_states = pool.data();
     a.state_dtype = sizeof(T) == 2 ? kda::DType::BF16 : kda::DType::FP32;
-    a.num_cache_lines = h.lines;
+    a.varlen.cache_lines = h.lines;
     a.state_len = h.cs.state_len;
     a.state_stride_line = h.sl;
     a.state_stride_dim = h.sd;
     a.state_stride_tap = h.st;
-    a.query_start_loc = qsl;
-    a.num_seqs = 1;
-    a.cache_indices = &line;
-    a.has_initial_state = init;
+    a.varlen.query_start_loc = qsl;
+    a.varlen.num_seqs = 1;
+    a.varlen.cache_indices = &line;
+    a.varlen.has_initial_state = init;
     a.part_dim = h.dim;
     a.silu = false;
-    a.null_block_id = h.null_line;
+    a.varlen.null_line = h.null_line;
     a.out = out.data();
     kda::reference::causal_conv1d(a, kda::reference::ConvMath::kStockFp32);
     for (int64_t c = 0; c < h.dim; ++c)
@@ -354,15 +355,15 @@ ConvCheckpointArgs module_args() {
   a.num_tokens = 2048;
   a.dim = 3 * 1536;
   a.conv_states = fake_pointer<void>(2);
-  a.num_cache_lines = 17;
+  a.varlen.cache_lines = 17;
   a.state_stride_line = 3 * a.dim;
   a.state_stride_dim = 3;
   a.state_stride_tap = 1;
-  a.query_start_loc = fake_pointer<const int32_t>(3);
-  a.num_seqs = 8;
-  a.cache_indices = fake_pointer<const int32_t>(4);
-  a.has_initial_state = fake_pointer<const bool>(5);
-  a.null_line = 0;
+  a.varlen.query_start_loc = fake_pointer<const int32_t>(3);
+  a.varlen.num_seqs = 8;
+  a.varlen.cache_indices = fake_pointer<const int32_t>(4);
+  a.varlen.has_initial_state = fake_pointer<const bool>(5);
+  a.varlen.null_line = 0;
   a.entries = fake_pointer<const CheckpointEntry>(6);
   a.max_entries = 16;
   return a;
@@ -538,16 +539,16 @@ TEST_CASE("a checkpoint at the sequence's last row equals the line the reference
   a.x_row_stride = h.x_stride;
   a.weight = weight.data();
   a.conv_states = conv.data();
-  a.num_cache_lines = h.lines;
+  a.varlen.cache_lines = h.lines;
   a.state_stride_line = h.sl;
   a.state_stride_dim = h.sd;
   a.state_stride_tap = h.st;
-  a.query_start_loc = h.qsl.data();
-  a.num_seqs = h.seqs;
-  a.cache_indices = h.cache.data();
-  a.has_initial_state = h.init.get();
+  a.varlen.query_start_loc = h.qsl.data();
+  a.varlen.num_seqs = h.seqs;
+  a.varlen.cache_indices = h.cache.data();
+  a.varlen.has_initial_state = h.init.get();
   a.part_dim = h.dim;
-  a.null_block_id = h.null_line;
+  a.varlen.null_line = h.null_line;
   a.out = out.data();
   kda::reference::causal_conv1d(a);
   int64_t bits = 0;
@@ -631,7 +632,7 @@ TEST_CASE("malformed entries and metadata write nothing") {
     std::vector<float> got = m.pool;
     run_body(m, got);
     CHECK(kda::detail::diff_bits(got.data(), m.pool.data(), got.size() * 4) == 0);
-    CHECK(kda::conv::checkpoint_source(m.args(got.data()), 0).dst < 0);
+    CHECK(kda::conv::checkpoint_source(kda::conv::make_checkpoint_params(m.args(got.data())), 0).dst < 0);
   }
   struct BadMeta {
     const char* what;
@@ -673,7 +674,7 @@ TEST_CASE("conv_checkpoint_supported accepts the module's arguments and clears t
   CHECK(why.empty());
   ConvCheckpointArgs a = module_args();
   SUBCASE("no has_initial_state array") {
-    a.has_initial_state = nullptr;
+    a.varlen.has_initial_state = nullptr;
     CHECK(why_not(a) == "supported");
   }
   SUBCASE("the (lines, taps, dim) pool, a dense x, a dim that is no multiple of 32") {
@@ -690,8 +691,8 @@ TEST_CASE("conv_checkpoint_supported accepts the module's arguments and clears t
     a.max_entries = 0;
     a.x = nullptr;
     a.conv_states = nullptr;
-    a.query_start_loc = nullptr;
-    a.cache_indices = nullptr;
+    a.varlen.query_start_loc = nullptr;
+    a.varlen.cache_indices = nullptr;
     a.entries = nullptr;
     CHECK(why_not(a) == "supported");
     // and conv_checkpoint enqueues nothing (it would need a GPU otherwise)
@@ -699,7 +700,7 @@ TEST_CASE("conv_checkpoint_supported accepts the module's arguments and clears t
   }
   SUBCASE("no token rows, no sequences") {
     a.num_tokens = 0;
-    a.num_seqs = 0;
+    a.varlen.num_seqs = 0;
     CHECK(why_not(a) == "supported");
   }
   SUBCASE("a bf16 pool in both layouts, on a 2-byte boundary") {
@@ -736,14 +737,14 @@ TEST_CASE("conv_checkpoint_supported refuses bad arguments with their reason, an
       {"negative num_tokens", [](ConvCheckpointArgs& a) { a.num_tokens = -1; }, "num_tokens -1 is negative"},
       {"num_tokens past int32", [](ConvCheckpointArgs& a) { a.num_tokens = int64_t{1} << 31; },
        "num_tokens 2147483648 exceeds 2147483647 (query_start_loc is int32)"},
-      {"negative num_seqs", [](ConvCheckpointArgs& a) { a.num_seqs = -2; }, "num_seqs -2 is negative"},
-      {"num_seqs int32 max", [](ConvCheckpointArgs& a) { a.num_seqs = 2147483647; },
+      {"negative num_seqs", [](ConvCheckpointArgs& a) { a.varlen.num_seqs = -2; }, "num_seqs -2 is negative"},
+      {"num_seqs int32 max", [](ConvCheckpointArgs& a) { a.varlen.num_seqs = 2147483647; },
        "num_seqs 2147483647 must be below 2147483647"},
       {"row stride below dim", [](ConvCheckpointArgs& a) { a.x_row_stride = a.dim - 1; },
        "x_row_stride 4607 is smaller than dim 4608"},
       {"x extent overflow", [](ConvCheckpointArgs& a) { a.x_row_stride = int64_t{1} << 53; },
        "x's extent (num_tokens, x_row_stride) overflows 64-bit addressing"},
-      {"no cache lines", [](ConvCheckpointArgs& a) { a.num_cache_lines = 0; }, "num_cache_lines 0 must be at least 1"},
+      {"no cache lines", [](ConvCheckpointArgs& a) { a.varlen.cache_lines = 0; }, "cache_lines 0 must be at least 1"},
       {"negative stride", [](ConvCheckpointArgs& a) { a.state_stride_tap = -1; },
        "conv_states strides (13824, 3, -1) must not be negative"},
       {"taps overlap channels", [](ConvCheckpointArgs& a) { a.state_stride_dim = 2; },
@@ -760,8 +761,8 @@ TEST_CASE("conv_checkpoint_supported refuses bad arguments with their reason, an
        "or overflow 64-bit addressing"},
       {"null x", [](ConvCheckpointArgs& a) { a.x = nullptr; }, "x is null"},
       {"null conv_states", [](ConvCheckpointArgs& a) { a.conv_states = nullptr; }, "conv_states is null"},
-      {"null query_start_loc", [](ConvCheckpointArgs& a) { a.query_start_loc = nullptr; }, "query_start_loc is null"},
-      {"null cache_indices", [](ConvCheckpointArgs& a) { a.cache_indices = nullptr; }, "cache_indices is null"},
+      {"null query_start_loc", [](ConvCheckpointArgs& a) { a.varlen.query_start_loc = nullptr; }, "query_start_loc is null"},
+      {"null cache_indices", [](ConvCheckpointArgs& a) { a.varlen.cache_indices = nullptr; }, "cache_indices is null"},
       {"null entries", [](ConvCheckpointArgs& a) { a.entries = nullptr; }, "entries is null"},
       {"misaligned x", [](ConvCheckpointArgs& a) { a.x = fake_pointer<const void>(1, 1); },
        "x is not aligned to its 2-byte bf16 elements"},
@@ -777,7 +778,7 @@ TEST_CASE("conv_checkpoint_supported refuses bad arguments with their reason, an
          a.conv_states = fake_pointer<void>(2, 1);
        },
        "conv_states is not aligned to its 2-byte bf16 elements (state_dtype)"},
-      {"misaligned cache_indices", [](ConvCheckpointArgs& a) { a.cache_indices = fake_pointer<const int32_t>(4, 2); },
+      {"misaligned cache_indices", [](ConvCheckpointArgs& a) { a.varlen.cache_indices = fake_pointer<const int32_t>(4, 2); },
        "query_start_loc and cache_indices must be aligned to their 4-byte elements"},
       {"misaligned entries", [](ConvCheckpointArgs& a) { a.entries = fake_pointer<const CheckpointEntry>(6, 4); },
        "entries is not aligned to its 16-byte CheckpointEntry records"},

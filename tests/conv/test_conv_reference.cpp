@@ -94,19 +94,19 @@ struct HostConv {
     a.weight = weight.data();
     a.bias = bias.empty() ? nullptr : bias.data();
     a.conv_states = states.data();
-    a.num_cache_lines = lines;
+    a.varlen.cache_lines = lines;
     a.state_len = state_len;
     a.state_stride_line = sline();
     a.state_stride_dim = sdim();
     a.state_stride_tap = stap();
-    a.query_start_loc = qsl.data();
-    a.num_seqs = static_cast<int64_t>(qsl.size()) - 1;
-    a.cache_indices = cache.data();
+    a.varlen.query_start_loc = qsl.data();
+    a.varlen.num_seqs = static_cast<int64_t>(qsl.size()) - 1;
+    a.varlen.cache_indices = cache.data();
     a.cache_indices_stride = cache_stride;
-    a.has_initial_state = init.get();
+    a.varlen.has_initial_state = init.get();
     a.part_dim = part_dim;
     a.silu = silu;
-    a.null_block_id = null_block;
+    a.varlen.null_line = null_block;
     a.out = out.data();
     a.out_plane_stride = plane_stride;
     return a;
@@ -258,7 +258,7 @@ TEST_CASE("the reference treats a null has_initial_state as no sequence having o
   HostConv h;
   make_digits(h, 3, false);
   PackedConvArgs a = h.args();
-  a.has_initial_state = nullptr;
+  a.varlen.has_initial_state = nullptr;
   kda::reference::causal_conv1d(a);
   const int64_t tokens[] = {0, 3, 4, 5};
   const float ch0[] = {1000, 4000, 5400, 6540};
@@ -497,7 +497,7 @@ TEST_CASE("the reference rejects malformed arguments and writes nothing") {
     CHECK_THROWS_WITH_AS(run(a), doctest::Contains("out_plane_stride 9"), kda::Error);
   }
   SUBCASE("null arrays") {
-    a.cache_indices = nullptr;
+    a.varlen.cache_indices = nullptr;
     CHECK_THROWS_WITH_AS(run(a), doctest::Contains("must be non-null"), kda::Error);
   }
   SUBCASE("bf16 conv-state lines with fp16 inputs") {

@@ -1,14 +1,14 @@
 // packed_causal_conv1d_supported() and the launcher's argument handling, on the CPU: every
 // reason is reported with a clear message, packed_causal_conv1d throws it as a kda::Error
 // before touching CUDA, and the launch shape (vector width, chunk length, grid) is as
-// documented in conv/conv_params.h.
+// documented in conv/packed_conv.h.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <limits>
 #include <string>
 
-#include "conv/conv_params.h"
+#include "conv/packed_conv.h"
 #include "common/varlen_map.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -35,19 +35,19 @@ kda::PackedConvArgs kda_args() {
   a.weight_stride_tap = 1;
   a.bias = nullptr;
   a.conv_states = fake_pointer<void>(3);
-  a.num_cache_lines = 17;
+  a.varlen.cache_lines = 17;
   a.state_len = 3;
   a.state_stride_line = a.dim * 3;
   a.state_stride_dim = 3;
   a.state_stride_tap = 1;
-  a.query_start_loc = fake_pointer<const int32_t>(4);
-  a.num_seqs = 4;
-  a.cache_indices = fake_pointer<const int32_t>(5);
+  a.varlen.query_start_loc = fake_pointer<const int32_t>(4);
+  a.varlen.num_seqs = 4;
+  a.varlen.cache_indices = fake_pointer<const int32_t>(5);
   a.cache_indices_stride = 1;
-  a.has_initial_state = fake_pointer<const bool>(6);
+  a.varlen.has_initial_state = fake_pointer<const bool>(6);
   a.part_dim = 1536;
   a.silu = true;
-  a.null_block_id = 0;
+  a.varlen.null_line = 0;
   a.out = fake_pointer<void>(7);
   a.out_plane_stride = 0;
   return a;
@@ -79,11 +79,11 @@ TEST_CASE("well-formed variants are supported") {
   SUBCASE("a bias, no SiLU, no null block") {
     a.bias = fake_pointer<const float>(8);
     a.silu = false;
-    a.null_block_id.reset();
+    a.varlen.null_line.reset();
     CHECK(why_not(a) == "supported");
   }
   SUBCASE("no has_initial_state array means no sequence has an initial state") {
-    a.has_initial_state = nullptr;
+    a.varlen.has_initial_state = nullptr;
     CHECK(why_not(a) == "supported");
   }
   SUBCASE("the transposed (lines, 3, dim) conv state layout") {
@@ -126,7 +126,7 @@ TEST_CASE("well-formed variants are supported") {
     a.num_tokens = 0;
     CHECK(why_not(a) == "supported");
     a = kda_args();
-    a.num_seqs = 0;
+    a.varlen.num_seqs = 0;
     CHECK(why_not(a) == "supported");
   }
 }
@@ -171,10 +171,10 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
   SUBCASE("null weight") { a.weight = nullptr; expected = "weight is null"; }
   SUBCASE("null conv_states") { a.conv_states = nullptr; expected = "conv_states is null"; }
   SUBCASE("null query_start_loc") {
-    a.query_start_loc = nullptr;
+    a.varlen.query_start_loc = nullptr;
     expected = "query_start_loc is null";
   }
-  SUBCASE("null cache_indices") { a.cache_indices = nullptr; expected = "cache_indices is null"; }
+  SUBCASE("null cache_indices") { a.varlen.cache_indices = nullptr; expected = "cache_indices is null"; }
   SUBCASE("null out") { a.out = nullptr; expected = "out is null"; }
   SUBCASE("a misaligned x") {
     a.x = fake_pointer<const void>(1, 1);
@@ -195,9 +195,9 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
     a.num_tokens = int64_t{1} << 31;
     expected = "num_tokens 2147483648 exceeds 2147483647 (query_start_loc is int32)";
   }
-  SUBCASE("negative num_seqs") { a.num_seqs = -3; expected = "num_seqs -3 is negative"; }
+  SUBCASE("negative num_seqs") { a.varlen.num_seqs = -3; expected = "num_seqs -3 is negative"; }
   SUBCASE("num_seqs beyond int32") {
-    a.num_seqs = std::numeric_limits<int32_t>::max();
+    a.varlen.num_seqs = std::numeric_limits<int32_t>::max();
     expected = "num_seqs 2147483647 must be below 2147483647";
   }
   SUBCASE("part_dim zero") { a.part_dim = 0; expected = "part_dim 0 must be positive"; }
@@ -224,8 +224,8 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
     expected = "weight's extent (dim, strides) overflows 64-bit addressing";
   }
   SUBCASE("no cache lines") {
-    a.num_cache_lines = 0;
-    expected = "num_cache_lines 0 must be at least 1";
+    a.varlen.cache_lines = 0;
+    expected = "cache_lines 0 must be at least 1";
   }
   SUBCASE("state_len below 3") {
     a.state_len = 2;
@@ -303,7 +303,7 @@ TEST_CASE("every unsupported argument is named in the reason and in the error") 
 TEST_CASE("an empty batch launches nothing and needs no GPU") {
   kda::PackedConvArgs a = kda_args();
   SUBCASE("no tokens") { a.num_tokens = 0; }
-  SUBCASE("no sequences") { a.num_seqs = 0; }
+  SUBCASE("no sequences") { a.varlen.num_seqs = 0; }
   CHECK_NOTHROW(kda::packed_causal_conv1d(a, nullptr));
   CHECK_NOTHROW(kda::conv::launch_packed_conv(a, kda::conv::ConvTuning{8, 16, 2}, nullptr));
 }
@@ -370,8 +370,8 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
   CHECK(p.chunks_per_cta == 1);  // 2048 tokens: below the 4096 where 2 per CTA start
   CHECK(p.cta_programs == (p.programs_per_col_block + p.chunks_per_cta - 1) / p.chunks_per_cta);
   CHECK(p.num_ctas == p.cta_programs * 6 * 3);
-  CHECK(p.has_null_block);
-  CHECK(p.null_block_id == 0);
+  CHECK(p.has_null_line);
+  CHECK(p.null_line == 0);
 
   SUBCASE("a forced tuning") {
     const kda::conv::PackedConvParams q = kda::conv::make_params(a, {8, 128, 1});
@@ -384,7 +384,7 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     CHECK(q.num_ctas == q.cta_programs * 18);
   }
   SUBCASE("the grid does not depend on the batch, only on the capacities") {
-    a.num_seqs = 300;
+    a.varlen.num_seqs = 300;
     a.out_plane_stride = 8192 * 1536;
     const kda::conv::PackedConvParams q = kda::conv::make_params(a);
     CHECK(q.search_steps == 2);
@@ -392,15 +392,15 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
     CHECK(q.programs_per_col_block == 2048 / 16 + 300);
     CHECK(q.out_plane_stride == 8192 * 1536);
   }
-  SUBCASE("no null block") {
-    a.null_block_id.reset();
-    CHECK_FALSE(kda::conv::make_params(a).has_null_block);
+  SUBCASE("no null line") {
+    a.varlen.null_line.reset();
+    CHECK_FALSE(kda::conv::make_params(a).has_null_line);
   }
   SUBCASE("the conv-state element type is carried as a flag, with the same launch shape") {
-    CHECK_FALSE(p.state_bf16);
+    CHECK_FALSE(p.state_dtype_is_bf16);
     a.state_dtype = kda::DType::BF16;
     const kda::conv::PackedConvParams q = kda::conv::make_params(a);
-    CHECK(q.state_bf16);
+    CHECK(q.state_dtype_is_bf16);
     CHECK(q.conv_states == a.conv_states);
     CHECK(q.vec == p.vec);
     CHECK(q.num_ctas == p.num_ctas);
@@ -438,7 +438,7 @@ TEST_CASE("make_params resolves the plane stride and sizes the grid from capacit
 TEST_CASE("the largest capacities fit the grid with the default chunks per CTA, not with 1") {
   kda::PackedConvArgs a = kda_args();
   a.num_tokens = std::numeric_limits<int32_t>::max();
-  a.num_seqs = std::numeric_limits<int32_t>::max() - 1;
+  a.varlen.num_seqs = std::numeric_limits<int32_t>::max() - 1;
   a.part_dim = 64;
   a.dim = a.part_dim;
   a.x_row_stride = a.dim;

@@ -1,4 +1,4 @@
-// The packed conv kernel's program body (src/conv/packed_conv_body.cuh) executed on the CPU:
+// The packed conv kernel's program body (src/conv/packed_conv_kernel.cuh) executed on the CPU:
 // 32 std::threads play the lanes of a warp, a barrier stands for __syncwarp and carries the
 // ballots, and every program of the grid runs in turn. The outputs and the conv-state pool
 // must equal the CPU reference (kda::reference::causal_conv1d, stock fp32 order) bit for bit:
@@ -25,10 +25,10 @@
 
 #include "support/emu_barrier.h"
 #include "common/half_host.h"
-#include "common/state_storage.h"
-#include "conv/conv_params.h"
+#include "common/state_elements.h"
+#include "conv/packed_conv.h"
 #include "testing/conv_reference.h"
-#include "conv/packed_conv_body.cuh"
+#include "conv/packed_conv_kernel.cuh"
 #include "kda/packed_conv.h"
 
 namespace {
@@ -205,19 +205,19 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
   a.bias = pr.bias ? pr.bias_v.data() : nullptr;
   a.conv_states = kda::state_elem_ptr(pool, pr.state_offset, bf16);
   a.state_dtype = bf16 ? DType::BF16 : DType::FP32;
-  a.num_cache_lines = pr.num_cache_lines;
+  a.varlen.cache_lines = pr.num_cache_lines;
   a.state_len = pr.state_len;
   a.state_stride_line = pr.state_stride_line;
   a.state_stride_dim = pr.state_stride_dim;
   a.state_stride_tap = pr.state_stride_tap;
-  a.query_start_loc = pr.qsl.data();
-  a.num_seqs = static_cast<int64_t>(pr.qsl.size()) - 1;
-  a.cache_indices = pr.cache.data();
+  a.varlen.query_start_loc = pr.qsl.data();
+  a.varlen.num_seqs = static_cast<int64_t>(pr.qsl.size()) - 1;
+  a.varlen.cache_indices = pr.cache.data();
   a.cache_indices_stride = pr.cache_stride;
-  a.has_initial_state = pr.flags ? reinterpret_cast<const bool*>(pr.init.data()) : nullptr;
+  a.varlen.has_initial_state = pr.flags ? reinterpret_cast<const bool*>(pr.init.data()) : nullptr;
   a.part_dim = pr.part_dim;
   a.silu = pr.silu;
-  a.null_block_id = pr.null_block;
+  a.varlen.null_line = pr.null_block;
   a.out = out.data();
   a.out_plane_stride = pr.out_plane_stride;
   return a;
@@ -320,8 +320,8 @@ void run_emulation(const Problem& pr, const kda::conv::ConvTuning& tuning, const
   REQUIRE_MESSAGE(kda::packed_causal_conv1d_supported(a, &why), why);
   REQUIRE_MESSAGE(kda::conv::check_tuning(a, tuning).empty(), kda::conv::check_tuning(a, tuning));
   const kda::conv::PackedConvParams p = kda::conv::make_params(a, tuning);
-  REQUIRE(p.state_bf16 == bf16);
-  if (pr.num_tokens == 0 || a.num_seqs == 0) return;
+  REQUIRE(p.state_dtype_is_bf16 == bf16);
+  if (pr.num_tokens == 0 || a.varlen.num_seqs == 0) return;
   switch (pr.dtype) {
     case DType::BF16: run_for_vec<DType::BF16>(p, x_bytes, pr, state, out, bad_access); break;
     case DType::FP16: run_for_vec<DType::FP16>(p, x_bytes, pr, state, out, bad_access); break;

@@ -36,9 +36,9 @@
 #include "common/half_host.h"
 #include "common/state_checkpoints.h"
 #include "conv/conv_checkpoint.h"
-#include "conv/conv_params.h"
+#include "conv/packed_conv.h"
 #include "testing/conv_reference.h"
-#include "conv/silu_recipe.h"
+#include "conv/conv_math.h"
 #include "conv/stock_conv.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
@@ -287,19 +287,19 @@ PackedConvArgs make_args(const HostProblem& hp, const void* x, const float* weig
   a.weight_stride_tap = hp.weight_tap;
   a.bias = s.bias ? bias : nullptr;
   a.conv_states = states;
-  a.num_cache_lines = hp.lines;
+  a.varlen.cache_lines = hp.lines;
   a.state_len = s.state_len;
   a.state_stride_line = hp.state_line;
   a.state_stride_dim = hp.state_dim;
   a.state_stride_tap = hp.state_tap;
-  a.query_start_loc = qsl;
-  a.num_seqs = hp.seqs;
-  a.cache_indices = cache;
+  a.varlen.query_start_loc = qsl;
+  a.varlen.num_seqs = hp.seqs;
+  a.varlen.cache_indices = cache;
   a.cache_indices_stride = s.cache_stride;
-  a.has_initial_state = s.null_init_flags ? nullptr : init;
+  a.varlen.has_initial_state = s.null_init_flags ? nullptr : init;
   a.part_dim = s.part_dim;
   a.silu = s.silu;
-  a.null_block_id = s.null_block;
+  a.varlen.null_line = s.null_block;
   a.out = static_cast<char*>(out) + s.out_offset * hp.esize();
   a.out_plane_stride = s.explicit_plane_stride ? hp.plane : 0;
   return a;
@@ -985,8 +985,8 @@ TEST_CASE("the packed kernel and the stock baseline reject the same malformed ar
       {"null out", [](PackedConvArgs& a) { a.out = nullptr; }},
       {"null weight", [](PackedConvArgs& a) { a.weight = nullptr; }},
       {"null conv_states", [](PackedConvArgs& a) { a.conv_states = nullptr; }},
-      {"null query_start_loc", [](PackedConvArgs& a) { a.query_start_loc = nullptr; }},
-      {"no cache lines", [](PackedConvArgs& a) { a.num_cache_lines = 0; }},
+      {"null query_start_loc", [](PackedConvArgs& a) { a.varlen.query_start_loc = nullptr; }},
+      {"no cache lines", [](PackedConvArgs& a) { a.varlen.cache_lines = 0; }},
       {"plane stride below a plane", [](PackedConvArgs& a) { a.out_plane_stride = a.num_tokens * a.part_dim - 1; }},
       {"cache_indices_stride 0", [](PackedConvArgs& a) { a.cache_indices_stride = 0; }},
       {"negative num_tokens", [](PackedConvArgs& a) { a.num_tokens = -1; }},
@@ -1145,15 +1145,15 @@ ConvCheckpointArgs checkpoint_args(const HostProblem& hp, const DeviceInputs& in
   a.num_tokens = p.num_tokens;
   a.dim = p.dim;
   a.conv_states = p.conv_states;
-  a.num_cache_lines = p.num_cache_lines;
+  a.varlen.cache_lines = p.varlen.cache_lines;
   a.state_stride_line = p.state_stride_line;
   a.state_stride_dim = p.state_stride_dim;
   a.state_stride_tap = p.state_stride_tap;
-  a.query_start_loc = p.query_start_loc;
-  a.num_seqs = p.num_seqs;
-  a.cache_indices = p.cache_indices;
-  a.has_initial_state = p.has_initial_state;
-  a.null_line = p.null_block_id.value_or(-1);
+  a.varlen.query_start_loc = p.varlen.query_start_loc;
+  a.varlen.num_seqs = p.varlen.num_seqs;
+  a.varlen.cache_indices = p.varlen.cache_indices;
+  a.varlen.has_initial_state = p.varlen.has_initial_state;
+  a.varlen.null_line = p.varlen.null_line.value_or(-1);
   a.entries = entries.as<const CheckpointEntry>();
   a.max_entries = max_entries;
   return a;
@@ -1202,11 +1202,11 @@ std::vector<float> expected_checkpoint_pool(const HostProblem& hp, const DeviceI
     DeviceBuffer dq = upload_vec(qsl), dc = upload_vec(cache), di = upload_vec(init);
     kda::test::device_synchronize();
     PackedConvArgs a = device_args(hp, in, o);
-    a.query_start_loc = dq.as<int32_t>();
-    a.num_seqs = n;
-    a.cache_indices = dc.as<int32_t>();
+    a.varlen.query_start_loc = dq.as<int32_t>();
+    a.varlen.num_seqs = n;
+    a.varlen.cache_indices = dc.as<int32_t>();
     a.cache_indices_stride = 1;
-    if (a.has_initial_state) a.has_initial_state = di.as<bool>();
+    if (a.varlen.has_initial_state) a.varlen.has_initial_state = di.as<bool>();
     run_stock(a, stream);
     const std::vector<float> stock = o.download().states;
 
@@ -1217,9 +1217,9 @@ std::vector<float> expected_checkpoint_pool(const HostProblem& hp, const DeviceI
     for (std::size_t i = 0; i < init.size(); ++i) flags[i] = init[i] != 0;
     PackedConvArgs h = make_args(hp, hp.x.data(), hp.weight.data(), hp.bias.data(), ref_states.data(), qsl.data(),
                                  cache.data(), host_init.get(), ref_out.data());
-    h.num_seqs = n;
+    h.varlen.num_seqs = n;
     h.cache_indices_stride = 1;
-    if (h.has_initial_state) h.has_initial_state = flags.get();
+    if (h.varlen.has_initial_state) h.varlen.has_initial_state = flags.get();
     kda::reference::causal_conv1d(h, kda::reference::ConvMath::kStockFp32);
     *reference_bits += diff_bits(ref_states.data(), stock.data(), stock.size() * sizeof(float));
 

@@ -1,4 +1,4 @@
-// The host-visible parts of conv/silu_recipe.h: the 4-fma tap chain (order, +0 start) and the
+// The host-visible parts of conv/conv_math.h: the 4-fma tap chain (order, +0 start) and the
 // host SiLU approximation used by the CPU reference. The device SiLU (ex2.approx, div.full)
 // is checked bit for bit against the stock baseline by the GPU tests.
 #include <doctest/doctest.h>
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <random>
 
-#include "conv/silu_recipe.h"
+#include "conv/conv_math.h"
 
 namespace {
 

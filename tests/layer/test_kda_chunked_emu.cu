@@ -1,4 +1,4 @@
-// The chunked KDA kernels' block bodies (src/recurrence/kda_chunked_body.cuh) executed on the
+// The chunked KDA kernels' block bodies (src/recurrence/kda_chunked_kernel.cuh) executed on the
 // CPU: one std::thread per CUDA thread, barriers for __syncthreads and for named barriers
 // (bar.sync id, n and bar.arrive id, n), and the warp collectives (shuffle, ldmatrix, mma.sync
 // m16n8k16 bf16 / fp16 and m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment
@@ -28,10 +28,12 @@
 #include <vector>
 
 #include "common/half_host.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "recurrence/kda_chunked.h"
-#include "recurrence/kda_chunked_body.cuh"
-#include "recurrence/recurrence_params.h"
+#include "recurrence/kda_recurrence.h"
+// The block bodies alone: this file runs them with its own Ops (HostOps).
+#define KDA_EMULATED_BODIES_ONLY
+#include "recurrence/kda_chunked_kernel.cuh"
 #include "support/emu_barrier.h"
 #include "support/test_data.h"
 #include "testing/layer_reference.h"
@@ -196,7 +198,7 @@ struct HostOps {
   }
 
   int64_t locate_sequence(const RecurrenceParams& p, int64_t slot_index, int, int shift) {
-    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.max_seqs, shift,
+    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.num_seqs, shift,
                                            p.search_steps, p.search_stride, slot_index)
         .seq;
   }
@@ -343,24 +345,24 @@ void run_block(int threads, std::size_t smem_bytes, bool late_copies, Body body)
 
 // The segment length kda_chunked uses for args: without a device, args.segment_tokens (the
 // tests set it) or no cut.
-int segment_shift(const kda::PrepRecurrenceArgs& args) {
-  return kda::recurrence::segment_shift_of(args, 0);
+int64_t segment_tokens(const kda::RecurrenceArgs& args) {
+  return kda::recurrence::segment_tokens_of(args, 0);
 }
 
 // The records kda_chunked's phase 1 leaves, with room for these capacities: NaN at first,
 // so a record phase 2 reads but phase 1 did not write shows.
-std::vector<uint4> new_workspace(const kda::PrepRecurrenceArgs& args) {
+std::vector<uint4> new_workspace(const kda::RecurrenceArgs& args) {
   std::vector<uint4> workspace(kda::kda_chunked_workspace_bytes(args) / 16);
   std::memset(workspace.data(), 0xFF, workspace.size() * 16);
   return workspace;
 }
 
 // kda_chunked's phase 1, every block emulated in turn.
-void emulate_prep(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies) {
+void emulate_prep(const kda::RecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies) {
   std::string why;
   REQUIRE_MESSAGE(kda::kda_chunked_supported(args, &why), why);
-  const RecurrenceParams p = kda::recurrence::make_recurrence_params(args, workspace.data());
-  REQUIRE(kda::recurrence::chunked_layout(args, segment_shift(args)).total() <= workspace.size() * 16);
+  const RecurrenceParams p = kda::recurrence::make_chunked_params(args, workspace.data(), 0);
+  REQUIRE(kda::recurrence::chunked_layout(args, segment_tokens(args)).total() <= workspace.size() * 16);
   using kda::chunked::PrepSmem;
   for (int64_t slot = 0; slot < p.slots; ++slot)
     for (int head = 0; head < p.num_heads; ++head)
@@ -375,9 +377,9 @@ void emulate_prep(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& works
 
 // Phase 2 (the grids and blocks of kda_chunked's launches of it) on the records: pass 1, and
 // when the op cuts sequences into segments the scan and pass 3.
-void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies) {
+void emulate_state(const kda::RecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies) {
   const RecurrenceParams p =
-      kda::recurrence::make_recurrence_params(args, workspace.data(), segment_shift(args));
+      kda::recurrence::make_chunked_params(args, workspace.data(), segment_tokens(args));
   using kda::chunked::StateTraits;
   const bool cut = kda::chunked::segmented(p);
   // Blocks of a launch may run in any order: pass 3 runs its slots last first, so that a block
@@ -395,7 +397,7 @@ void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& work
   pass(1, (cut ? 2 : 1) * StateTraits::kSlices);
   if (!cut) return;
   using kda::chunked::ScanTraits;
-  for (int64_t seq = 0; seq < p.max_seqs; ++seq)
+  for (int64_t seq = 0; seq < p.num_seqs; ++seq)
     for (int head = 0; head < p.num_heads; ++head)
       for (int slice = 0; slice < StateTraits::kSlices; ++slice)
         run_block(ScanTraits::kThreads, ScanTraits::kSmemBytes, late_copies,
@@ -404,7 +406,7 @@ void emulate_state(const kda::PrepRecurrenceArgs& args, std::vector<uint4>& work
 }
 
 // kda_chunked's two launches.
-void emulate_kda_chunked(const kda::PrepRecurrenceArgs& args, bool late_copies) {
+void emulate_kda_chunked(const kda::RecurrenceArgs& args, bool late_copies) {
   std::vector<uint4> workspace = new_workspace(args);
   emulate_prep(args, workspace, late_copies);
   emulate_state(args, workspace, late_copies);
@@ -421,12 +423,12 @@ struct HostBatchData {
   std::vector<uint16_t> q, k, v, g1, b, o;
   std::vector<float> a_log, dt_bias, pool;
   bool bf16_pool = false;
-  int64_t segment_tokens = 0;  // PrepRecurrenceArgs::segment_tokens: no cut unless a test asks
+  int64_t segment_tokens = 0;  // RecurrenceArgs::segment_tokens: no cut unless a test asks
   std::vector<uint16_t> pool_bf16;
   std::vector<int32_t> qsl, cache;
   std::vector<uint8_t> init;  // bool storage
   std::optional<double> lower_bound;
-  // State checkpoints: none when both are empty, else max_seqs and max_checkpoints entries.
+  // State checkpoints: none when both are empty, else num_seqs and max_checkpoints entries.
   std::vector<kda::CheckpointSeq> checkpoint_seqs;
   std::vector<kda::CheckpointEntry> checkpoint_entries;
 
@@ -434,15 +436,15 @@ struct HostBatchData {
     return line * line_stride + h * head_stride + vc * 128 + kc;
   }
 
-  kda::PrepRecurrenceArgs args() {
-    kda::PrepRecurrenceArgs a;
+  kda::RecurrenceArgs args() {
+    kda::RecurrenceArgs a;
     a.num_heads = heads;
     a.num_tokens = tokens;
-    a.max_seqs = static_cast<int64_t>(cache.size());
-    a.query_start_loc = qsl.data();
-    a.cache_indices = cache.data();
-    a.has_initial_state = reinterpret_cast<const bool*>(init.data());
-    a.null_line = 0;
+    a.varlen.num_seqs = static_cast<int64_t>(cache.size());
+    a.varlen.query_start_loc = qsl.data();
+    a.varlen.cache_indices = cache.data();
+    a.varlen.has_initial_state = reinterpret_cast<const bool*>(init.data());
+    a.varlen.null_line = 0;
     a.q = q.data();
     a.k = k.data();
     a.v = v.data();
@@ -461,7 +463,7 @@ struct HostBatchData {
     } else {
       a.states = pool.data();
     }
-    a.cache_lines = lines;
+    a.varlen.cache_lines = lines;
     a.state_stride_line = line_stride;
     a.state_stride_head = head_stride;
     a.state_stride_v = 128;
@@ -788,7 +790,7 @@ TEST_CASE("emulated copies landing early or late give bit-identical results") {
   HostBatchData early = make_batch(1, lens, lines, init, 0, std::nullopt, 5u);
   HostBatchData late = early;
   HostBatchData again = early;
-  kda::PrepRecurrenceArgs a_early = early.args(), a_late = late.args(), a_again = again.args();
+  kda::RecurrenceArgs a_early = early.args(), a_late = late.args(), a_again = again.args();
   emulate_kda_chunked(a_early, false);
   emulate_kda_chunked(a_late, true);
   emulate_kda_chunked(a_again, false);

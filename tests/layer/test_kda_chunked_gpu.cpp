@@ -1,6 +1,6 @@
 // kda_chunked (the chunked KDA recurrence on tensor cores) on the GPU, against the float64
 // reference (kda::ref::prep_recurrence) and against the token-by-token kernel
-// kda_prep_recurrence, fed the same bf16 inputs. KDA_TEST_QUICK=1 runs a reduced set (for
+// kda_recurrence_token, fed the same bf16 inputs. KDA_TEST_QUICK=1 runs a reduced set (for
 // compute-sanitizer).
 #include <doctest/doctest.h>
 
@@ -18,10 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "kda/error.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
+#include "recurrence/kda_recurrence_token.h"
 #include "testing/layer_reference.h"
 #include "support/bf16_pool.h"
 #include "support/gpu_buffers.h"
@@ -140,7 +141,7 @@ struct Problem {
   std::vector<uint16_t> q, k, v, g1, b;
   std::vector<float> a_log, dt_bias, pool0;
   kda::DType pool_dtype = kda::DType::FP32;
-  int64_t segment_tokens = kda::kKdaAutoSegments;  // PrepRecurrenceArgs::segment_tokens
+  int64_t segment_tokens = kda::kKdaAutoSegments;  // RecurrenceArgs::segment_tokens
   DeviceBuffer d_q, d_k, d_v, d_g1, d_b, d_a_log, d_dt_bias, d_pool, d_o, d_work;
 
   Problem(int64_t h, std::optional<double> bound, PoolLayout pool_layout, Batch& tb,
@@ -203,15 +204,15 @@ struct Problem {
     d_work = DeviceBuffer(std::max<size_t>(kda::kda_chunked_workspace_bytes(args()), 16));
   }
 
-  kda::PrepRecurrenceArgs args() const {
-    kda::PrepRecurrenceArgs a;
+  kda::RecurrenceArgs args() const {
+    kda::RecurrenceArgs a;
     a.num_heads = heads;
     a.num_tokens = bucket;
-    a.max_seqs = batch.max_seqs;
-    a.query_start_loc = batch.d_qsl.as<int32_t>();
-    a.cache_indices = batch.d_lines.as<int32_t>();
-    a.has_initial_state = batch.d_initial.as<bool>();
-    a.null_line = batch.null_line;
+    a.varlen.num_seqs = batch.max_seqs;
+    a.varlen.query_start_loc = batch.d_qsl.as<int32_t>();
+    a.varlen.cache_indices = batch.d_lines.as<int32_t>();
+    a.varlen.has_initial_state = batch.d_initial.as<bool>();
+    a.varlen.null_line = batch.null_line;
     a.q = d_q.get();
     a.k = d_k.get();
     a.v = d_v.get();
@@ -226,7 +227,7 @@ struct Problem {
     a.gate_lower_bound = lower_bound;
     a.states = d_pool.get();
     a.state_dtype = pool_dtype;
-    a.cache_lines = batch.cache_lines;
+    a.varlen.cache_lines = batch.cache_lines;
     a.state_stride_line = layout.line;
     a.state_stride_head = layout.head;
     a.state_stride_k = layout.k;
@@ -252,7 +253,7 @@ struct Problem {
   }
   void run_simple() {
     reset();
-    kda::kda_prep_recurrence(args(), nullptr);
+    kda::kda_recurrence_token(args(), nullptr);
     kda::test::device_synchronize();
   }
   void reset() {
@@ -401,7 +402,7 @@ std::string describe(const char* what, int64_t heads, const std::optional<double
   std::ostringstream os;
   os << what << ", H " << heads << (bound ? ", lower bound, " : ", softplus, ")
      << layout.name << ": worst relative error vs float64 o " << ref.o << ", state " << ref.state
-     << "; vs kda_prep_recurrence o " << simple.o << ", state " << simple.state;
+     << "; vs kda_recurrence_token o " << simple.o << ", state " << simple.state;
   return os.str();
 }
 
@@ -430,11 +431,11 @@ struct DeviceMeta {
   explicit DeviceMeta(const kda::ref::TruncatedBatch& t)
       : DeviceMeta(t.query_start_loc, t.cache_indices, t.has_initial_state.get()) {}
 
-  kda::PrepRecurrenceArgs apply(kda::PrepRecurrenceArgs a) const {
-    a.max_seqs = max_seqs;
-    a.query_start_loc = qsl.as<int32_t>();
-    a.cache_indices = lines.as<int32_t>();
-    a.has_initial_state = initial.as<bool>();
+  kda::RecurrenceArgs apply(kda::RecurrenceArgs a) const {
+    a.varlen.num_seqs = max_seqs;
+    a.varlen.query_start_loc = qsl.as<int32_t>();
+    a.varlen.cache_indices = lines.as<int32_t>();
+    a.varlen.has_initial_state = initial.as<bool>();
     if (max_checkpoints > 0) {
       a.checkpoint_seqs = ck_seqs.as<kda::CheckpointSeq>();
       a.checkpoint_entries = ck_entries.as<kda::CheckpointEntry>();
@@ -444,15 +445,15 @@ struct DeviceMeta {
   }
 };
 
-// One launch of kda_chunked (or kda_prep_recurrence) on `meta`, from `pool`, with o and the
+// One launch of kda_chunked (or kda_recurrence_token) on `meta`, from `pool`, with o and the
 // workspace poisoned.
 Problem::Result run_on(Problem& pr, const DeviceMeta& meta, const std::vector<float>& pool, bool chunked) {
   pr.d_o.fill_bytes(0xFF);
   pr.d_work.fill_bytes(0xFF);
   pr.upload_pool(pool);
-  const kda::PrepRecurrenceArgs a = meta.apply(pr.args());
+  const kda::RecurrenceArgs a = meta.apply(pr.args());
   if (chunked) kda::kda_chunked(a, pr.d_work.get(), pr.d_work.bytes(), nullptr);
-  else kda::kda_prep_recurrence(a, nullptr);
+  else kda::kda_recurrence_token(a, nullptr);
   kda::test::device_synchronize();
   return pr.result();
 }
@@ -537,7 +538,7 @@ std::vector<int64_t> processed_lines(const Batch& batch) {
 }
 
 // Both kernels on pr's batch: kda_chunked against the float64 reference and against
-// kda_prep_recurrence (printed as `what`), then kda_chunked again from the same starting pool,
+// kda_recurrence_token (printed as `what`), then kda_chunked again from the same starting pool,
 // which must repeat bit for bit (blocks of a launch may run in another order).
 void check_chunked_repeats(Problem& pr, const std::string& what) {
   pr.run_simple();
@@ -627,7 +628,7 @@ TEST_CASE("both kernels on bf16 state pools: the fp32 state, widened from and ro
     const Worst vs_ref = check_reference(pr, got, ref);
     const Worst simple_vs_ref = check_reference(pr, simple, ref);
     const Worst vs_simple = check_simple(pr, got, simple);
-    MESSAGE(describe("bf16 pool", heads, bound, layout, vs_ref, vs_simple), "; kda_prep_recurrence vs float64 o ",
+    MESSAGE(describe("bf16 pool", heads, bound, layout, vs_ref, vs_simple), "; kda_recurrence_token vs float64 o ",
             simple_vs_ref.o, ", state ", simple_vs_ref.state);
 
     pr.set_pool_dtype(kda::DType::FP32);  // pool0: the same widened lines
@@ -698,7 +699,7 @@ TEST_CASE("bf16 state checkpoints are bitwise the final lines of runs cut there"
         worst_bits = std::max(worst_bits, bits);
         worst_ref = std::max(worst_ref, ref_err);
       }
-      MESSAGE(std::string(chunked ? "kda_chunked" : "kda_prep_recurrence"), ", ", std::string(layout.name), ", ",
+      MESSAGE(std::string(chunked ? "kda_chunked" : "kda_recurrence_token"), ", ", std::string(layout.name), ", ",
               ck_lines.size(),
               " bf16 checkpoints: at most ", worst_bits, " bits differ from the cut runs' final lines; worst relative "
               "error vs float64 ", worst_ref);
@@ -795,7 +796,7 @@ TEST_CASE("kda_chunked with bad arguments or workspace throws and enqueues nothi
   Batch batch({{9, Kind::Live, true}, {70, Kind::Live, false}}, 0, 4, rng);
   Problem pr(2, std::nullopt, contiguous(2), batch, rng, false, true);
   pr.reset();
-  kda::PrepRecurrenceArgs a = pr.args();
+  kda::RecurrenceArgs a = pr.args();
   void* work = pr.d_work.get();
   size_t bytes = pr.d_work.bytes();
   std::string expected;
@@ -886,7 +887,7 @@ TEST_CASE("kda_chunked state checkpoints are bitwise the states of runs cut ther
 
     // Each checkpoint: bitwise the final state of kda_chunked on the batch cut there (of the
     // same run when it sits at the last row), within the chunked tolerance of the float64
-    // reference on the cut batch and of kda_prep_recurrence's checkpoint.
+    // reference on the cut batch and of kda_recurrence_token's checkpoint.
     int64_t worst_bits = 0;
     double worst_ref = 0, worst_simple = 0;
     for (const kda::CheckpointEntry& e : ck_entries) {
@@ -915,7 +916,7 @@ TEST_CASE("kda_chunked state checkpoints are bitwise the states of runs cut ther
     }
     MESSAGE(ck_lines.size(), " checkpoints (segment_tokens ", cfg.segment_tokens, "): at most ", worst_bits,
             " bits differ from the cut runs' final states; worst relative error vs float64 ", worst_ref,
-            ", vs kda_prep_recurrence's checkpoints ", worst_simple);
+            ", vs kda_recurrence_token's checkpoints ", worst_simple);
     if (cfg.segment_tokens != 0) continue;
 
     // Continuing from checkpoints: sequence 0 after 128 rows, 2 after 256 (with checkpoints of

@@ -1,5 +1,5 @@
-// The algebra of the chunked KDA recurrence (src/recurrence/kda_chunked.cu) checked on the CPU:
-// the chunk formulas, evaluated in the kernel's order (64-token chunks from each sequence
+// The algebra of the chunked KDA recurrence (src/recurrence/kda_chunked_kernel.cuh) checked on
+// the CPU: the chunk formulas, evaluated in the kernel's order (64-token chunks from each sequence
 // start, 16-token diagonal sub-blocks, reference tokens for the blocks below them, forward
 // substitution, transposed state), against kda::ref::recurrence token by token.
 // In float64 the two must agree to rounding; with the kernel's fp32 arithmetic and bf16
@@ -17,7 +17,6 @@
 
 #include "common/half_host.h"
 #include "recurrence/kda_chunked.h"
-#include "recurrence/recurrence_params.h"
 #include "support/test_data.h"
 #include "testing/layer_reference.h"
 
@@ -314,88 +313,5 @@ TEST_CASE("the kernel's fp32 and bf16 roundings keep the error inside the GPU to
       CHECK(eo < 5e-3);
       CHECK(es < 1e-3);
     }
-  }
-}
-
-TEST_CASE("the segment plan cuts only where few heads leave SMs idle") {
-  using kda::recurrence::auto_segment_shift;
-  using kda::recurrence::kNoSegments;
-  // Heads enough to fill 132 SMs, or sequences too short to pay: never cut.
-  CHECK(auto_segment_shift(16384, 12, 132) == kNoSegments);
-  CHECK(auto_segment_shift(16384, 32, 132) == kNoSegments);
-  CHECK(auto_segment_shift(2048, 4, 132) == kNoSegments);
-  CHECK(auto_segment_shift(65536, 4, 0) == kNoSegments);  // no device: no cut
-  // Few heads over long sequences: segments of at least 1024 tokens, shorter than the sequence.
-  for (int64_t heads : {1, 2, 4}) {
-    CAPTURE(heads);
-    const int k = auto_segment_shift(65536, heads, 132);
-    CHECK(k >= kda::recurrence::kMinAutoSegmentShift);
-    CHECK((int64_t{64} << k) < 65536);
-  }
-  CHECK(auto_segment_shift(4096, 1, 132) != kNoSegments);
-
-  kda::PrepRecurrenceArgs a;
-  a.num_heads = 4;
-  a.num_tokens = 65536;
-  a.max_seqs = 8;
-  a.segment_tokens = 0;
-  CHECK(kda::recurrence::segment_shift_of(a, 132) == kNoSegments);
-  a.segment_tokens = 128;
-  CHECK(kda::recurrence::segment_shift_of(a, 132) == 1);
-  a.segment_tokens = 65536;  // as long as the bucket: nothing to cut
-  CHECK(kda::recurrence::segment_shift_of(a, 132) == kNoSegments);
-  a.segment_tokens = kda::kKdaAutoSegments;
-  CHECK(kda::recurrence::segment_shift_of(a, 132) == auto_segment_shift(65536, 4, 132));
-
-  // The workspace: the records, then E and P per segment slot and head.
-  const kda::recurrence::ChunkedLayout whole = kda::recurrence::chunked_layout(a, kNoSegments);
-  CHECK(whole.slots == 65536 / 64 + 8);
-  CHECK(whole.record_bytes == static_cast<size_t>(whole.slots) * 4 * kda::recurrence::kRecordBytes);
-  CHECK(whole.total() == whole.record_bytes);
-  const kda::recurrence::ChunkedLayout cut = kda::recurrence::chunked_layout(a, 4);
-  CHECK(cut.seg_slots == 65536 / 1024 + 8);
-  CHECK(cut.seg_bytes == static_cast<size_t>(cut.seg_slots) * 4 * 128 * 128 * 4);
-  CHECK(cut.total() == whole.record_bytes + 2 * cut.seg_bytes);
-}
-
-TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power of two >= 64") {
-  // Arguments that pass every other check (supported() reads no memory: aligned stand-ins).
-  const auto at = [](uintptr_t x) { return reinterpret_cast<void*>(x << 12); };
-  kda::PrepRecurrenceArgs a;
-  a.num_heads = 1;
-  a.num_tokens = 256;
-  a.max_seqs = 1;
-  a.query_start_loc = static_cast<const int32_t*>(at(1));
-  a.cache_indices = static_cast<const int32_t*>(at(2));
-  a.q = at(3);
-  a.k = at(4);
-  a.v = at(5);
-  a.qkv_row_stride = 128;
-  a.g1 = at(6);
-  a.g1_row_stride = 128;
-  a.b = at(7);
-  a.b_row_stride = 8;
-  a.a_log = static_cast<const float*>(at(8));
-  a.dt_bias = static_cast<const float*>(at(9));
-  a.states = at(10);
-  a.cache_lines = 2;
-  a.state_stride_line = 128 * 128;
-  a.state_stride_head = 128 * 128;
-  a.state_stride_k = 128;
-  a.state_stride_v = 1;
-  a.o = at(11);
-  a.o_row_stride = 128;
-  std::string why;
-  for (int64_t good : {kda::kKdaAutoSegments, int64_t{0}, int64_t{64}, int64_t{4096}}) {
-    CAPTURE(good);
-    a.segment_tokens = good;
-    CHECK_MESSAGE(kda::kda_chunked_supported(a, &why), why);
-  }
-  for (int64_t bad : {-2, 1, 32, 100, 1000}) {
-    CAPTURE(bad);
-    a.segment_tokens = bad;
-    why.clear();
-    CHECK_FALSE(kda::kda_chunked_supported(a, &why));
-    CHECK(why.find("segment_tokens " + std::to_string(bad) + " is not") != std::string::npos);
   }
 }

@@ -1,4 +1,4 @@
-// kda_prep_recurrence and gated_rmsnorm on the GPU against the float64 reference stages, fed
+// kda_recurrence_token and gated_rmsnorm on the GPU against the float64 reference stages, fed
 // the same bf16 inputs. KDA_TEST_QUICK=1 runs a reduced set (for compute-sanitizer).
 #include <doctest/doctest.h>
 
@@ -16,10 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "kda/error.h"
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_recurrence.h"
+#include "recurrence/kda_recurrence_token.h"
 #include "testing/layer_reference.h"
 #include "support/bf16_pool.h"
 #include "support/gpu_buffers.h"
@@ -142,7 +143,7 @@ PoolLayout transposed_layout(int64_t heads) {
   return {"(line, head, v, k) with gaps", heads * head + 100, head, 1, kD};
 }
 
-// Everything one kda_prep_recurrence launch reads and writes, host and device. The pool is
+// Everything one kda_recurrence_token launch reads and writes, host and device. The pool is
 // fp32 unless use_bf16_pool(); pool0 and download_pool() hold a bf16 pool widened (widen_bf16),
 // so the checks below serve both types.
 struct RecurrenceProblem {
@@ -200,15 +201,15 @@ struct RecurrenceProblem {
     d_o = DeviceBuffer(static_cast<size_t>(bucket * o_stride) * sizeof(uint16_t));
   }
 
-  kda::PrepRecurrenceArgs args() const {
-    kda::PrepRecurrenceArgs a;
+  kda::RecurrenceArgs args() const {
+    kda::RecurrenceArgs a;
     a.num_heads = heads;
     a.num_tokens = bucket;
-    a.max_seqs = batch.max_seqs;
-    a.query_start_loc = batch.d_qsl.as<int32_t>();
-    a.cache_indices = batch.d_lines.as<int32_t>();
-    a.has_initial_state = batch.d_initial.as<bool>();
-    a.null_line = batch.null_line;
+    a.varlen.num_seqs = batch.max_seqs;
+    a.varlen.query_start_loc = batch.d_qsl.as<int32_t>();
+    a.varlen.cache_indices = batch.d_lines.as<int32_t>();
+    a.varlen.has_initial_state = batch.d_initial.as<bool>();
+    a.varlen.null_line = batch.null_line;
     a.q = d_q.get();
     a.k = d_k.get();
     a.v = d_v.get();
@@ -223,7 +224,7 @@ struct RecurrenceProblem {
     a.gate_lower_bound = lower_bound;
     a.states = d_pool.get();
     a.state_dtype = pool_dtype;
-    a.cache_lines = batch.cache_lines;
+    a.varlen.cache_lines = batch.cache_lines;
     a.state_stride_line = layout.line;
     a.state_stride_head = layout.head;
     a.state_stride_k = layout.k;
@@ -237,7 +238,7 @@ struct RecurrenceProblem {
   void run(kda::Stream stream = nullptr) {
     d_o.fill_bytes(0xFF);
     upload_pool(pool0);
-    kda::kda_prep_recurrence(args(), stream);
+    kda::kda_recurrence_token(args(), stream);
     kda::test::device_synchronize();
   }
 
@@ -381,11 +382,11 @@ struct DeviceMeta {
   explicit DeviceMeta(const kda::ref::TruncatedBatch& t)
       : DeviceMeta(t.query_start_loc, t.cache_indices, t.has_initial_state.get()) {}
 
-  kda::PrepRecurrenceArgs apply(kda::PrepRecurrenceArgs a) const {
-    a.max_seqs = max_seqs;
-    a.query_start_loc = qsl.as<int32_t>();
-    a.cache_indices = lines.as<int32_t>();
-    a.has_initial_state = initial.as<bool>();
+  kda::RecurrenceArgs apply(kda::RecurrenceArgs a) const {
+    a.varlen.num_seqs = max_seqs;
+    a.varlen.query_start_loc = qsl.as<int32_t>();
+    a.varlen.cache_indices = lines.as<int32_t>();
+    a.varlen.has_initial_state = initial.as<bool>();
     if (max_checkpoints > 0) {
       a.checkpoint_seqs = ck_seqs.as<kda::CheckpointSeq>();
       a.checkpoint_entries = ck_entries.as<kda::CheckpointEntry>();
@@ -400,11 +401,11 @@ struct RunResult {
   std::vector<float> pool;
 };
 
-// One kda_prep_recurrence launch on `meta` from `pool`, o poisoned.
+// One kda_recurrence_token launch on `meta` from `pool`, o poisoned.
 RunResult run_on(RecurrenceProblem& pr, const DeviceMeta& meta, const std::vector<float>& pool) {
   pr.d_o.fill_bytes(0xFF);
   pr.upload_pool(pool);
-  kda::kda_prep_recurrence(meta.apply(pr.args()), nullptr);
+  kda::kda_recurrence_token(meta.apply(pr.args()), nullptr);
   kda::test::device_synchronize();
   return {download<uint16_t>(pr.d_o), pr.download_pool()};
 }
@@ -441,7 +442,7 @@ int64_t rounding_mismatches(const RecurrenceProblem& pr, const std::vector<float
 
 }  // namespace
 
-TEST_CASE("kda_prep_recurrence matches the float64 reference on varlen batches") {
+TEST_CASE("kda_recurrence_token matches the float64 reference on varlen batches") {
   const std::vector<int32_t> lengths = quick_mode() ? std::vector<int32_t>{1, 16, 17, 65}
                                                : std::vector<int32_t>{1, 15, 16, 17, 63, 64, 65, 1000};
   const std::vector<int64_t> head_counts = quick_mode() ? std::vector<int64_t>{2} : std::vector<int64_t>{2, 12};
@@ -473,7 +474,7 @@ TEST_CASE("kda_prep_recurrence matches the float64 reference on varlen batches")
   }
 }
 
-TEST_CASE("kda_prep_recurrence on bf16 state pools: the fp32 state, widened from and rounded to the pool lines") {
+TEST_CASE("kda_recurrence_token on bf16 state pools: the fp32 state, widened from and rounded to the pool lines") {
   // The kernel carries the state in fp32 and touches a bf16 pool only to load a line (widened,
   // exactly) and to store one (rounded to nearest even). So, against the float64 reference
   // started from the widened initial lines, o and the final lines stay within the fp32 pools'
@@ -515,7 +516,7 @@ TEST_CASE("kda_prep_recurrence on bf16 state pools: the fp32 state, widened from
   }
 }
 
-TEST_CASE("a captured kda_prep_recurrence replays with new batch metadata") {
+TEST_CASE("a captured kda_recurrence_token replays with new batch metadata") {
   std::mt19937_64 rng(77);
   const int64_t heads = 2;
   // Two batches of the same capacity (6 sequences); the graph is recorded with the first.
@@ -539,7 +540,7 @@ TEST_CASE("a captured kda_prep_recurrence replays with new batch metadata") {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
-  kda::kda_prep_recurrence(pr.args(), stream);
+  kda::kda_recurrence_token(pr.args(), stream);
   REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
   REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
   REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
@@ -559,18 +560,18 @@ TEST_CASE("a captured kda_prep_recurrence replays with new batch metadata") {
   cudaStreamDestroy(stream);
 }
 
-TEST_CASE("kda_prep_recurrence with bad arguments throws and enqueues nothing") {
+TEST_CASE("kda_recurrence_token with bad arguments throws and enqueues nothing") {
   std::mt19937_64 rng(5);
   TestBatch batch({{9, SeqKind::Live, true}, {4, SeqKind::Live, false}}, 0, 4, 0, rng);
   RecurrenceProblem pr(2, std::nullopt, contiguous_layout(2), batch, rng, false);
   pr.d_o.fill_bytes(0xFF);
   pr.upload_pool(pr.pool0);
-  kda::PrepRecurrenceArgs a = pr.args();
+  kda::RecurrenceArgs a = pr.args();
   SUBCASE("misaligned q") { a.q = static_cast<const char*>(a.q) + 2; }
   SUBCASE("head_dim 64") { a.head_dim = 64; }
   SUBCASE("positive lower bound") { a.gate_lower_bound = 0.5; }
   SUBCASE("overlapping state strides") { a.state_stride_k = 64; }
-  CHECK_THROWS_AS(kda::kda_prep_recurrence(a, nullptr), kda::Error);
+  CHECK_THROWS_AS(kda::kda_recurrence_token(a, nullptr), kda::Error);
   kda::test::device_synchronize();
   const auto o = download<uint16_t>(pr.d_o);
   CHECK(std::count(o.begin(), o.end(), kPoison16) == static_cast<std::ptrdiff_t>(o.size()));
@@ -578,7 +579,7 @@ TEST_CASE("kda_prep_recurrence with bad arguments throws and enqueues nothing") 
   CHECK(kda::test::diff_bits(pool.data(), pr.pool0.data(), pool.size() * 4) == 0);
 }
 
-TEST_CASE("kda_prep_recurrence state checkpoints are bitwise the states of runs cut there and continue bitwise") {
+TEST_CASE("kda_recurrence_token state checkpoints are bitwise the states of runs cut there and continue bitwise") {
   // Checkpoint ends are multiples of 64 rows or a sequence's last row: ends of the kernel's
   // 16-token stages, where the update left pending by the stage's last token has just been
   // applied, so a checkpoint is the exact state of a run cut there. Sequence 0 (initial state)
@@ -752,8 +753,8 @@ struct RmsNormProblem {
     kda::GatedRmsNormArgs a;
     a.num_heads = heads;
     a.num_tokens = bucket;
-    a.query_start_loc = use_qsl ? d_qsl.as<int32_t>() : nullptr;
-    a.num_seqs = static_cast<int64_t>(qsl.size()) - 1;
+    a.varlen.query_start_loc = use_qsl ? d_qsl.as<int32_t>() : nullptr;
+    a.varlen.num_seqs = static_cast<int64_t>(qsl.size()) - 1;
     a.o = d_o.get();
     a.o_row_stride = o_stride;
     a.g2 = d_g2.get();

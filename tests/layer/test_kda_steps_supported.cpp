@@ -10,6 +10,7 @@
 #include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
+#include "recurrence/kda_recurrence_token.h"
 
 namespace {
 
@@ -19,14 +20,14 @@ T* fake(uintptr_t slot) {
   return reinterpret_cast<T*>(uintptr_t{1} << 20 | slot << 12);
 }
 
-kda::PrepRecurrenceArgs valid_recurrence_args() {
-  kda::PrepRecurrenceArgs a;
+kda::RecurrenceArgs valid_recurrence_args() {
+  kda::RecurrenceArgs a;
   a.num_heads = 3;
   a.num_tokens = 100;
-  a.max_seqs = 8;
-  a.query_start_loc = fake<const int32_t>(1);
-  a.cache_indices = fake<const int32_t>(2);
-  a.has_initial_state = fake<const bool>(3);
+  a.varlen.num_seqs = 8;
+  a.varlen.query_start_loc = fake<const int32_t>(1);
+  a.varlen.cache_indices = fake<const int32_t>(2);
+  a.varlen.has_initial_state = fake<const bool>(3);
   a.q = fake<const void>(4);
   a.k = fake<const void>(5);
   a.v = fake<const void>(6);
@@ -39,7 +40,7 @@ kda::PrepRecurrenceArgs valid_recurrence_args() {
   a.a_log = fake<const float>(9);
   a.dt_bias = fake<const float>(10);
   a.states = fake<void>(11);
-  a.cache_lines = 5;
+  a.varlen.cache_lines = 5;
   a.state_stride_line = 3 * 128 * 128;
   a.state_stride_head = 128 * 128;
   a.state_stride_k = 128;
@@ -53,8 +54,8 @@ kda::GatedRmsNormArgs valid_rmsnorm_args() {
   kda::GatedRmsNormArgs a;
   a.num_heads = 3;
   a.num_tokens = 100;
-  a.query_start_loc = fake<const int32_t>(1);
-  a.num_seqs = 8;
+  a.varlen.query_start_loc = fake<const int32_t>(1);
+  a.varlen.num_seqs = 8;
   a.o = fake<const void>(2);
   a.o_row_stride = 384;
   a.g2 = fake<const void>(3);
@@ -67,10 +68,10 @@ kda::GatedRmsNormArgs valid_rmsnorm_args() {
 
 }  // namespace
 
-TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names what is wrong") {
-  kda::PrepRecurrenceArgs a = valid_recurrence_args();
+TEST_CASE("kda_recurrence_token_supported accepts well-formed arguments and names what is wrong") {
+  kda::RecurrenceArgs a = valid_recurrence_args();
   std::string why;
-  REQUIRE(kda::kda_prep_recurrence_supported(a, &why));
+  REQUIRE(kda::kda_recurrence_token_supported(a, &why));
   CHECK(why.empty());
 
   std::string expect;
@@ -78,7 +79,7 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
   SUBCASE("no heads") { a.num_heads = 0; expect = "num_heads 0"; }
   SUBCASE("too many heads for the grid") { a.num_heads = 20000; expect = "num_heads 20000"; }
   SUBCASE("negative tokens") { a.num_tokens = -1; expect = "num_tokens -1"; }
-  SUBCASE("missing metadata") { a.cache_indices = nullptr; expect = "cache_indices"; }
+  SUBCASE("missing metadata") { a.varlen.cache_indices = nullptr; expect = "cache_indices"; }
   SUBCASE("missing plane") { a.v = nullptr; expect = "q, k, v, g1 and b"; }
   SUBCASE("missing pool") { a.states = nullptr; expect = "states"; }
   SUBCASE("fp16 state pool") { a.state_dtype = kda::DType::FP16; expect = "state_dtype fp16"; }
@@ -112,47 +113,47 @@ TEST_CASE("kda_prep_recurrence_supported accepts well-formed arguments and names
     a.state_stride_v = 128;
     a.state_stride_head = 128 * 128 + 32;
     a.state_stride_line = 3 * a.state_stride_head + 100;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     return;
   }
   SUBCASE("a bf16 pool on a 2-byte boundary is fine") {
     a.state_dtype = kda::DType::BF16;
     a.states = static_cast<char*>(a.states) + 2;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     std::string chunked_why;
     CHECK(kda::kda_chunked_supported(a, &chunked_why));
     return;
   }
   SUBCASE("a lower bound and has_initial_state absent are fine") {
     a.gate_lower_bound = -5.0;
-    a.has_initial_state = nullptr;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    a.varlen.has_initial_state = nullptr;
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     return;
   }
   CAPTURE(expect);
-  CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK_FALSE(kda::kda_recurrence_token_supported(a, &why));
   CHECK(why.find(expect) != std::string::npos);
-  CHECK_FALSE(kda::kda_prep_recurrence_supported(a));  // why is optional
+  CHECK_FALSE(kda::kda_recurrence_token_supported(a));  // why is optional
   std::string chunked_why;  // the chunked kernel shares the checks
   CHECK_FALSE(kda::kda_chunked_supported(a, &chunked_why));
   CHECK(chunked_why == why);
   // The launcher reports the same sentence before touching the device.
   try {
-    kda::kda_prep_recurrence(a, nullptr);
-    FAIL("kda_prep_recurrence accepted bad arguments");
+    kda::kda_recurrence_token(a, nullptr);
+    FAIL("kda_recurrence_token accepted bad arguments");
   } catch (const kda::Error& e) {
-    CHECK(e.function() == "kda::kda_prep_recurrence");
+    CHECK(e.function() == "kda::kda_recurrence_token");
     CHECK(e.message() == why);
   }
 }
 
-TEST_CASE("kda_prep_recurrence_supported checks the state-checkpoint tables") {
-  kda::PrepRecurrenceArgs a = valid_recurrence_args();
+TEST_CASE("kda_recurrence_token_supported checks the state-checkpoint tables") {
+  kda::RecurrenceArgs a = valid_recurrence_args();
   a.checkpoint_seqs = fake<const kda::CheckpointSeq>(13);
   a.checkpoint_entries = fake<const kda::CheckpointEntry>(14);
   a.max_checkpoints = 4;
   std::string why;
-  REQUIRE(kda::kda_prep_recurrence_supported(a, &why));
+  REQUIRE(kda::kda_recurrence_token_supported(a, &why));
 
   std::string expect;
   SUBCASE("entries without sequences") { a.checkpoint_seqs = nullptr; expect = "set together"; }
@@ -176,20 +177,20 @@ TEST_CASE("kda_prep_recurrence_supported checks the state-checkpoint tables") {
   SUBCASE("no tables, with or without a capacity, are fine") {
     a.checkpoint_seqs = nullptr;
     a.checkpoint_entries = nullptr;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     a.max_checkpoints = 0;
-    CHECK(kda::kda_prep_recurrence_supported(a, &why));
+    CHECK(kda::kda_recurrence_token_supported(a, &why));
     return;
   }
   CAPTURE(expect);
-  CHECK_FALSE(kda::kda_prep_recurrence_supported(a, &why));
+  CHECK_FALSE(kda::kda_recurrence_token_supported(a, &why));
   CHECK(why.find(expect) != std::string::npos);
   std::string chunked_why;  // the chunked kernel shares the checks
   CHECK_FALSE(kda::kda_chunked_supported(a, &chunked_why));
   CHECK(chunked_why == why);
   try {
-    kda::kda_prep_recurrence(a, nullptr);
-    FAIL("kda_prep_recurrence accepted bad checkpoint tables");
+    kda::kda_recurrence_token(a, nullptr);
+    FAIL("kda_recurrence_token accepted bad checkpoint tables");
   } catch (const kda::Error& e) {
     CHECK(e.message() == why);
   }
@@ -210,7 +211,7 @@ TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what 
   SUBCASE("eps zero") { a.eps = 0.0; expect = "eps 0"; }
   SUBCASE("eps NaN") { a.eps = std::numeric_limits<double>::quiet_NaN(); expect = "positive and finite"; }
   SUBCASE("no query_start_loc is fine") {
-    a.query_start_loc = nullptr;
+    a.varlen.query_start_loc = nullptr;
     CHECK(kda::gated_rmsnorm_supported(a, &why));
     return;
   }
@@ -222,12 +223,12 @@ TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what 
 
 TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
   // Without a device a launch would fail; these return before any CUDA call.
-  kda::PrepRecurrenceArgs r = valid_recurrence_args();
-  r.max_seqs = 0;
-  CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
+  kda::RecurrenceArgs r = valid_recurrence_args();
+  r.varlen.num_seqs = 0;
+  CHECK_NOTHROW(kda::kda_recurrence_token(r, nullptr));
   r = valid_recurrence_args();
   r.num_tokens = 0;
-  CHECK_NOTHROW(kda::kda_prep_recurrence(r, nullptr));
+  CHECK_NOTHROW(kda::kda_recurrence_token(r, nullptr));
   kda::GatedRmsNormArgs g = valid_rmsnorm_args();
   g.num_tokens = 0;
   CHECK_NOTHROW(kda::gated_rmsnorm(g, nullptr));

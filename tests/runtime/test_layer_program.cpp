@@ -7,6 +7,7 @@
 
 #include "kda/error.h"
 #include "kda/prefill.h"
+#include "recurrence/kda_recurrence_token.h"
 #include "runtime/layer_program.h"
 
 namespace {
@@ -55,28 +56,28 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   in.o = fake<void>(31);
   in.g2 = fake<void>(32);
   in.y = fake<void>(33);
-  const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+  const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
   CHECK(r.num_heads == 4);
   CHECK(r.num_tokens == 512);
-  CHECK(r.max_seqs == 16);
+  CHECK(r.varlen.num_seqs == 16);
   CHECK(r.qkv_row_stride == p);
   CHECK(r.b == ctx.in_proj_out);
   CHECK(r.b_col_offset == 3 * p);
   CHECK(r.b_row_stride == config.model.in_proj_stride());
   CHECK(r.a_log == weights.A_log);
   CHECK(r.gate_lower_bound == -5.0);
-  CHECK(r.cache_lines == 9);
+  CHECK(r.varlen.cache_lines == 9);
   CHECK(r.state_stride_line == 4 * 128 * 128);
   CHECK(r.state_stride_v == 1);
   CHECK(r.states == ctx.recurrent_states);
   CHECK(r.state_dtype == kda::DType::BF16);  // the context's pool element type, passed on
   std::string why;
-  CHECK(kda::kda_prep_recurrence_supported(r, &why));
+  CHECK(kda::kda_recurrence_token_supported(r, &why));
   CHECK(why.empty());
 
   const kda::GatedRmsNormArgs g = kda::detail::rmsnorm_args_for_step(in);
   CHECK(g.num_tokens == 512);
-  CHECK(g.num_seqs == 16);
+  CHECK(g.varlen.num_seqs == 16);
   CHECK(g.eps == 2e-5);
   CHECK(g.weight == weights.o_norm_weight);
   CHECK(kda::gated_rmsnorm_supported(g, &why));
@@ -88,13 +89,13 @@ TEST_CASE("the StepContext adapters read the module's layout") {
   CHECK(c.part_dim == p);
   CHECK(c.x_row_stride == config.model.in_proj_stride());
   CHECK(c.num_tokens == 512);
-  CHECK(c.num_seqs == 16);
-  CHECK(c.num_cache_lines == 9);
+  CHECK(c.varlen.num_seqs == 16);
+  CHECK(c.varlen.cache_lines == 9);
   CHECK(c.state_stride_line == 3 * p * 3);
   CHECK(c.state_dtype == kda::DType::FP32);
   CHECK(c.out == ctx.q);
   CHECK(c.out_plane_stride == 512 * p);
-  CHECK(c.null_block_id == 0);
+  CHECK(c.varlen.null_line == 0);
 
   in.ctx.weights = nullptr;
   CHECK_THROWS_AS(kda::detail::recurrence_args_for_step(in), kda::Error);
@@ -140,7 +141,7 @@ TEST_CASE("pool layouts and line strides give the state strides the kernels are 
   CHECK(ca.state_stride_line == 5000);
   CHECK(ca.state_stride_dim == 1);
   CHECK(ca.state_stride_tap == 3 * p);
-  const kda::PrepRecurrenceArgs ra = kda::detail::recurrence_args_for_step(in);
+  const kda::RecurrenceArgs ra = kda::detail::recurrence_args_for_step(in);
   CHECK(ra.state_stride_line == 70000);
   CHECK(ra.state_stride_head == 128 * 128);
   CHECK(ra.state_stride_k == 1);
@@ -177,7 +178,7 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
     const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in.ctx);
     CHECK(c.max_entries == 0);
     CHECK(kda::conv_checkpoint_supported(c));
-    const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+    const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
     CHECK(r.checkpoint_seqs == nullptr);
     CHECK(r.checkpoint_entries == nullptr);
     CHECK(r.max_checkpoints == 0);
@@ -196,17 +197,17 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
     CHECK(c.state_stride_line == ctx.conv_strides.line);
     CHECK(c.state_stride_dim == ctx.conv_strides.dim);
     CHECK(c.state_stride_tap == ctx.conv_strides.tap);
-    CHECK(c.num_cache_lines == 40);
-    CHECK(c.null_line == 3);
-    CHECK(c.num_seqs == 8);
-    CHECK(c.query_start_loc == ctx.query_start_loc);
-    CHECK(c.cache_indices == ctx.cache_indices);
-    CHECK(c.has_initial_state == ctx.has_initial_state);
+    CHECK(c.varlen.cache_lines == 40);
+    CHECK(c.varlen.null_line == 3);
+    CHECK(c.varlen.num_seqs == 8);
+    CHECK(c.varlen.query_start_loc == ctx.query_start_loc);
+    CHECK(c.varlen.cache_indices == ctx.cache_indices);
+    CHECK(c.varlen.has_initial_state == ctx.has_initial_state);
     CHECK(static_cast<const void*>(c.entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
     CHECK(c.max_entries == 12);
     std::string why;
     CHECK_MESSAGE(kda::conv_checkpoint_supported(c, &why), why);
-    const kda::PrepRecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
+    const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
     CHECK(static_cast<const void*>(r.checkpoint_seqs) == static_cast<const void*>(in.ctx.checkpoint_seqs));
     CHECK(static_cast<const void*>(r.checkpoint_entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
     CHECK(r.max_checkpoints == 12);

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "support/test_data.h"
 
 namespace kda::test {

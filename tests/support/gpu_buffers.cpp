@@ -2,15 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <stdexcept>
-
 namespace kda::test {
-
-void cuda_ok(int status, const char* what) {
-  auto err = static_cast<cudaError_t>(status);
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorString(err));
-}
 
 int64_t diff_elements(const void* a, const void* b, std::size_t bytes, std::size_t elem_bytes) {
   auto* pa = static_cast<const unsigned char*>(a);

@@ -9,14 +9,14 @@
 #include <vector>
 
 #include "common/bit_compare.h"
+#include "common/cuda_check.h"
 #include "common/device_memory.h"
 #include "kda/types.h"
 
 namespace kda::test {
 
-// Throws std::runtime_error naming the call when a CUDA runtime call fails.
-void cuda_ok(int status, const char* what);
-#define KDA_TEST_CUDA(expr) ::kda::test::cuda_ok(static_cast<int>(expr), #expr)
+// Throws kda::Error naming the call when a CUDA runtime call fails: the library's check.
+#define KDA_TEST_CUDA(expr) KDA_CUDA_CHECK("kda::test", expr)
 
 using kda::detail::DeviceBuffer;
 

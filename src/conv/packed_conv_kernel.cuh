@@ -1,5 +1,6 @@
-// The packed conv kernel's per-warp program body, written once for the GPU and for a CPU
-// emulation (tests/conv/test_packed_conv_emu.cpp runs it with one std::thread per lane).
+// The packed conv's device code: the per-warp program body, written once for the GPU and for a
+// CPU emulation (tests/conv/test_packed_conv_emu.cpp runs it with one std::thread per lane),
+// and at the end of this file its device Ops and the kernel.
 // Everything that differs between the two goes through an Ops object:
 //
 //   template <int kBytes> RowOf<kBytes> load_x(const char* p)   x row bytes, read-only path
@@ -21,15 +22,15 @@
 // registers across its programs and streams each chunk's rows through a register queue of
 // kQueueRows loads in flight. The conv state (and taps of a non-dense weight layout) move
 // through the warp's staging area in memory order; a pool of bf16 elements moves by the scalar
-// walk, widened and narrowed exactly (common/state_storage.h). The arithmetic is silu_recipe.h's.
+// walk, widened and narrowed exactly (common/state_elements.h). The arithmetic is conv_math.h's.
 #pragma once
 
 #include <cstdint>
 
-#include "conv/conv_params.h"
-#include "common/state_storage.h"
+#include "conv/packed_conv.h"
+#include "common/state_elements.h"
 #include "common/varlen_map.h"
-#include "conv/silu_recipe.h"
+#include "conv/conv_math.h"
 #include "kda/packed_conv.h"
 
 #if defined(__CUDACC__)
@@ -147,7 +148,7 @@ struct TileStaging {
   static constexpr bool kVectorWalks = kVectorsPerLane * 128 == kRows * kTile;
   static_assert(kRows <= 4, "at most 4 rows");
   static_assert(kRows * kTile % 32 == 0, "whole warps of elements");
-  static_assert(kPitch == staging_pitch(kTile), "the staging layout of conv_params.h");
+  static_assert(kPitch == staging_pitch(kTile), "the staging layout of packed_conv.h");
   static_assert(kVec == 1 || kVec == 2 || kVec % 4 == 0, "lane vectors of 1, 2 or 4k floats");
 
   enum class Walk { kBlock, kContiguousRows, kScalar };
@@ -245,8 +246,8 @@ struct TileStaging {
     }
   }
 
-  // The same walks for a pool of bf16 elements (PackedConvParams::state_bf16, the conv state
-  // only): the scalar walk in memory order (consecutive lanes on consecutive 2-byte elements in
+  // The same walks for a pool of bf16 elements (PackedConvParams::state_dtype_is_bf16, the conv
+  // state only): the scalar walk in memory order (consecutive lanes on consecutive 2-byte elements in
   // both the (dim, taps) and the (taps, dim) layout), each element widened exactly on the way in
   // and rounded to nearest even on the way out. The staged values are bf16 inputs or widened
   // bf16 taps, so the rounding changes no value (a NaN becomes the canonical 0x7FFF) and a bf16
@@ -475,21 +476,21 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
   // A carried chunk belongs to the sequence whose previous chunk ran, so its line was valid.
   if (!carried) {
     const int64_t line = ops.load_i32_ro(p.cache_indices + pc.seq * p.cache_indices_stride);
-    if (p.has_null_block && line == p.null_block_id) return false;
-    if (line < 0 || line >= p.num_cache_lines) return false;
+    if (p.has_null_line && line == p.null_line) return false;
+    if (line < 0 || line >= p.cache_lines) return false;
 
     if (pc.chunk == 0) {
       // Chunk 0 starts from the state (column 2 is the most recent, column 0 the oldest) or
       // from zeros. The state's 3 columns move through rows 4..6 of the staging area.
-      // A bf16 pool (p.state_bf16, warp-uniform) takes the bf16 walks; the values staged are the
-      // same either way.
+      // A bf16 pool (p.state_dtype_is_bf16, warp-uniform) takes the bf16 walks; the values
+      // staged are the same either way.
       float* const stage_state = ops.stage() + 4 * staging_pitch(kTile);
       const int64_t state_tile_offset =
           line * p.state_stride_line + tile_begin * p.state_stride_dim;
       const bool has_initial_state =
           p.has_initial_state != nullptr && ops.load_flag(p.has_initial_state + pc.seq);
       if (has_initial_state) {
-        if (p.state_bf16) {
+        if (p.state_dtype_is_bf16) {
           State::gather_bf16(stage_state,
                              static_cast<const uint16_t*>(p.conv_states) + state_tile_offset,
                              p.state_stride_dim, p.state_stride_tap, lane);
@@ -529,7 +530,7 @@ KDA_HOST_DEVICE KDA_INLINE bool packed_conv_chunk(const PackedConvParams& p, con
       State::write_lane(ops, stage_state, 1, lane, n2);
       State::write_lane(ops, stage_state, 2, lane, n1);
       ops.syncwarp();
-      if (p.state_bf16) {
+      if (p.state_dtype_is_bf16) {
         State::scatter_bf16(static_cast<uint16_t*>(p.conv_states) + state_tile_offset,
                             p.state_stride_dim, p.state_stride_tap, stage_state, lane);
       } else {
@@ -621,3 +622,150 @@ KDA_HOST_DEVICE KDA_INLINE void packed_conv_programs(const PackedConvParams& p, 
 }
 
 }  // namespace kda::conv
+
+// The program body on the GPU: the device side of Ops and the kernel. Compiled in
+// packed_conv.cu alone (internal linkage); the CPU emulation includes the body without it
+// (a host compiler, or KDA_EMULATED_BODIES_ONLY).
+#if defined(__CUDACC__) && !defined(KDA_EMULATED_BODIES_ONLY)
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace kda::conv {
+namespace {
+
+constexpr int kMaxThreadsPerCta = kMaxWarpsPerCta * 32;
+
+// The device side of packed_conv_kernel.cuh's Ops. x, the taps, the bias, query_start_loc,
+// cache_indices and has_initial_state are read through the read-only cache: nothing writes
+// them during the kernel (supported() rejects an out that overlaps x). The conv state is read
+// with plain loads because the same warp writes it.
+//
+// Results are stored streaming (st.global.cs, evict first from L1 and L2): the kernel never
+// reads them again, and L2 keeps more of the row stream (the seed rows that neighbouring
+// programs re-read; docs/perf.md).
+struct DeviceOps {
+  float* stage_area;
+
+  template <int kBytes>
+  __device__ __forceinline__ RowOf<kBytes> load_x(const char* ptr) const {
+    RowOf<kBytes> r;
+    if constexpr (kBytes == 32) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
+      const uint4 b = __ldg(reinterpret_cast<const uint4*>(ptr) + 1);
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+      r.w[4] = b.x; r.w[5] = b.y; r.w[6] = b.z; r.w[7] = b.w;
+    } else if constexpr (kBytes == 16) {
+      const uint4 a = __ldg(reinterpret_cast<const uint4*>(ptr));
+      r.w[0] = a.x; r.w[1] = a.y; r.w[2] = a.z; r.w[3] = a.w;
+    } else if constexpr (kBytes == 8) {
+      const uint2 a = __ldg(reinterpret_cast<const uint2*>(ptr));
+      r.w[0] = a.x; r.w[1] = a.y;
+    } else if constexpr (kBytes == 4) {
+      r.w[0] = __ldg(reinterpret_cast<const unsigned int*>(ptr));
+    } else {
+      static_assert(kBytes == 2, "row bytes");
+      r.w[0] = __ldg(reinterpret_cast<const unsigned short*>(ptr));
+    }
+    return r;
+  }
+
+  template <class T>
+  __device__ __forceinline__ static void store(T* ptr, T v) { __stcs(ptr, v); }
+
+  template <int kBytes>
+  __device__ __forceinline__ void store_out(char* ptr, const RowOf<kBytes>& r) const {
+    if constexpr (kBytes == 32) {
+      store(reinterpret_cast<uint4*>(ptr), make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
+      store(reinterpret_cast<uint4*>(ptr) + 1, make_uint4(r.w[4], r.w[5], r.w[6], r.w[7]));
+    } else if constexpr (kBytes == 16) {
+      store(reinterpret_cast<uint4*>(ptr), make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]));
+    } else if constexpr (kBytes == 8) {
+      store(reinterpret_cast<uint2*>(ptr), make_uint2(r.w[0], r.w[1]));
+    } else if constexpr (kBytes == 4) {
+      store(reinterpret_cast<unsigned int*>(ptr), r.w[0]);
+    } else {
+      static_assert(kBytes == 2, "row bytes");
+      store(reinterpret_cast<unsigned short*>(ptr), static_cast<unsigned short>(r.w[0]));
+    }
+  }
+
+  __device__ __forceinline__ float load_ro(const float* ptr) const { return __ldg(ptr); }
+  __device__ __forceinline__ Float4 load4_ro(const float* ptr) const {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(ptr));
+    return Float4{v.x, v.y, v.z, v.w};
+  }
+  __device__ __forceinline__ Float4 load4(const float* ptr) const {
+    const float4 v = *reinterpret_cast<const float4*>(ptr);
+    return Float4{v.x, v.y, v.z, v.w};
+  }
+  __device__ __forceinline__ void store4(float* ptr, Float4 v) const {
+    *reinterpret_cast<float4*>(ptr) = make_float4(v.x, v.y, v.z, v.w);
+  }
+  __device__ __forceinline__ int32_t load_i32_ro(const int32_t* ptr) const { return __ldg(ptr); }
+  __device__ __forceinline__ bool load_flag(const bool* ptr) const {
+    return *reinterpret_cast<const unsigned char*>(ptr) != 0;
+  }
+
+  __device__ __forceinline__ float from_bits(uint32_t b) const { return __uint_as_float(b); }
+  __device__ __forceinline__ uint32_t to_bits(float v) const { return __float_as_uint(v); }
+  __device__ __forceinline__ float fp16_to_f32(uint16_t h) const {
+    return load_f32(__ushort_as_half(h));
+  }
+  __device__ __forceinline__ uint16_t f32_to_bf16_rn(float v) const {
+    return __bfloat16_as_ushort(store_rn<__nv_bfloat16>(v));
+  }
+  __device__ __forceinline__ uint16_t f32_to_fp16_rn(float v) const {
+    return __half_as_ushort(store_rn<__half>(v));
+  }
+  // One cvt for two results; the same bits as two single conversions.
+  __device__ __forceinline__ uint32_t pack2_bf16_rn(float lo, float hi) const {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ __forceinline__ uint32_t pack2_fp16_rn(float lo, float hi) const {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  __device__ __forceinline__ float silu(float acc) const { return silu_stock_fast(acc); }
+
+  __device__ __forceinline__ uint32_t ballot(bool pred) const {
+    return __ballot_sync(0xFFFFFFFFu, pred);
+  }
+  __device__ __forceinline__ int32_t shfl(int32_t v, int src) const {
+    return __shfl_sync(0xFFFFFFFFu, v, src);
+  }
+  __device__ __forceinline__ void syncwarp() const { __syncwarp(); }
+  __device__ __forceinline__ float* stage() const { return stage_area; }
+};
+
+// CTA (x, y, z): chunk programs x * chunks_per_cta + j, column blocks y * warps + warp of plane z
+// (packed_conv.h). Each warp finds its first program's chunk itself (the radix search's
+// dependent loads; its CTA's other warps load the same words, which L1 serves) and walks the
+// CTA's programs (packed_conv_programs). No barrier: the warps of a CTA never wait for each
+// other, so each issues its row loads as soon as its own search answers.
+//
+// Registers: instances of up to 4 channels per lane are held to 128 per thread (2 CTAs of the
+// largest block, 256 threads, per SM: 16 warps, so 4 CTAs of 4 warps or 8 of 2). The bias instances,
+// which keep 4 more values live through the chunk loop, would take 165-171 and fit 2 CTAs.
+template <typename Traits, bool kSilu, bool kHasBias>
+__global__ void __launch_bounds__(kMaxThreadsPerCta, Traits::kVec <= 4 ? 2 : 1)
+packed_conv_kernel(const PackedConvParams p) {
+  extern __shared__ float4 staging_storage[];
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t plane_col_block = static_cast<int64_t>(blockIdx.y) * (blockDim.x / 32) + warp;
+  if (plane_col_block >= p.cols_per_plane) return;  // the last group of a forced warps_per_cta
+  DeviceOps ops{reinterpret_cast<float*>(staging_storage) +
+                warp * staging_floats_per_warp(Traits::kTile)};
+  const int64_t first_program = static_cast<int64_t>(blockIdx.x) * p.chunks_per_cta;
+  const varlen::SlotChunk first = locate_chunk(p, first_program, lane, ops);
+  packed_conv_programs<Traits, kSilu, kHasBias>(p, first, first_program, cta_program_count(p, blockIdx.x),
+                                                blockIdx.z, plane_col_block, lane, ops);
+}
+
+}  // namespace
+}  // namespace kda::conv
+
+#endif  // __CUDACC__ && !KDA_EMULATED_BODIES_ONLY

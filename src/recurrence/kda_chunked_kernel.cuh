@@ -1,6 +1,9 @@
-// The two block bodies of the chunked KDA recurrence (kda_chunked.h), written once for the
-// GPU and for a CPU emulation of one CUDA block (tests/layer/test_kda_chunked_emu.cu).
-// Include from .cu files only (nvcc).
+// The device code of the chunked KDA recurrence (kda_chunked.h): the block bodies, written
+// once for the GPU and for a CPU emulation of one CUDA block
+// (tests/layer/test_kda_chunked_emu.cu), and at the end of this file their binding to the
+// hardware (DeviceOps) and the kernels.
+// Include from .cu files only (nvcc); the emulation defines KDA_EMULATED_BODIES_ONLY to take
+// the bodies without the binding and the kernels.
 //
 // Math, per sequence, head and chunk of tokens i = 0..C-1 starting from state S0 (K x V), with
 // Gam_i = sum_{j<=i} g_j per key channel (cumulative inside the chunk, so <= 0 and
@@ -46,8 +49,8 @@
 // Segments (sequence parallelism, docs/design.md): a block may walk one segment of a
 // sequence's chunks in one of three roles (block_walk, WalkRole), and scan_block joins the
 // segments; with segments off, pass 1 alone is the walk described above.
-// Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_bf16, a run-time flag):
-// load_state widens, store_state rounds to nearest even (common/state_storage.h); the carried
+// Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_dtype_is_bf16, a run-time flag):
+// load_state widens, store_state rounds to nearest even (common/state_elements.h); the carried
 // state stays fp32 in registers. A checkpoint line is bitwise the final line of a run cut at its
 // offset in either type: the same registers, rounded the same way. A run continued from a bf16
 // line starts from the rounded state and so is not bitwise the uninterrupted run (from an fp32
@@ -55,7 +58,7 @@
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
 // barriers (sync and arrive), shuffles, the radix search, ldmatrix (.trans), mma in bf16,
-// fp16 and tf32, cp.async); DeviceOps in kda_chunked.cu maps them to the hardware
+// fp16 and tf32, cp.async); DeviceOps (end of this file) maps them to the hardware
 // instructions. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16" and "for
 // mma.m16n8k8"), with g = lane / 4 and t = lane % 4:
 //   A (16 x 16, row-major), 4 regs of 2 bf16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..),
@@ -82,9 +85,10 @@
 #include <cstring>
 
 #include "common/state_checkpoints.h"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "common/varlen_map.h"
-#include "recurrence/recurrence_params.h"
+#include "recurrence/kda_chunked.h"
+#include "recurrence/kda_recurrence.h"
 
 // The bodies call Ops members that are __device__ (DeviceOps) or __host__ (the CPU emulation)
 // only; each instantiation is used on that side alone, so nvcc's cross-side call check is
@@ -117,7 +121,7 @@ static_assert(kChunk % kSub == 0 && kSub == 16, "the off-diagonal products are m
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kQScale = 0.088388347648318440f;  // 128^-0.5
 // Per-token log decays below this are raised to it. exp(-128) is 0 for every purpose here
-// (kda_prep_recurrence's expf underflows already at -104) and the floor keeps the cumulative
+// (kda_recurrence_token's expf underflows already at -104) and the floor keeps the cumulative
 // sums of a chunk finite, so differences of them never become inf - inf.
 constexpr float kMinLogDecay = -128.0f;
 
@@ -290,7 +294,7 @@ __host__ __device__ __forceinline__ float tf32_round(float x) {
   return f;
 }
 
-// The rows a sequence owns, clamped to [0, num_tokens) as kda_prep_recurrence does, and
+// The rows a sequence owns, clamped to [0, num_tokens) as kda_recurrence_token does, and
 // whether it is processed at all (non-empty, naming a real pool line).
 struct SeqSpan {
   int64_t bos = 0, eos = 0;
@@ -1035,7 +1039,7 @@ struct StateTraits {
                 "stage and exchange layout");
   static_assert(kHeadDim % kColumns == 0, "value slices must tile the head");
   static_assert(kSlices == recurrence::kTokenSlices,
-                "phase 2's grid has 4 slices per head, as kda_prep_recurrence's");
+                "phase 2's grid has 4 slices per head, as kda_recurrence_token's");
   static_assert(kValueTiles == 2, "the exchange names barriers 1 .. 4, two per value tile");
 };
 
@@ -1256,8 +1260,8 @@ __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, in
 
 // A state warp's S^T: st[nt] holds value rows v0 + (g, g + 8) and key channels
 // 8 nt + (2t, 2t + 1), read from (or written to) the pool at element `at` on: the head of a
-// line (state_head_at). Elements are fp32, or bf16 when p.state_bf16: a load widens exactly, a
-// store rounds to nearest even. The flag is tested once per call and each branch passes it on
+// line (state_head_at). Elements are fp32, or bf16 when p.state_dtype_is_bf16: a load widens
+// exactly, a store rounds to nearest even. The flag is tested once per call and each branch passes it on
 // as a constant, so each is a straight loop over one element type (the fp32 one the plain fp32
 // loop); positions are element offsets, scaled inside the branch: a line pointer whose element
 // size is chosen at run time made ptxas keep ~45 more registers live across the chunk loop.
@@ -1281,7 +1285,7 @@ KDA_UNROLL
     for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt)
 KDA_UNROLL
       for (int r = 0; r < 4; ++r) st[nt][r] = 0.0f;
-  } else if (p.state_bf16) {
+  } else if (p.state_dtype_is_bf16) {
     load_state_elems(st, p, at, true, v0, g, t);
   } else {
     load_state_elems(st, p, at, false, v0, g, t);
@@ -1302,7 +1306,7 @@ KDA_UNROLL
 __host__ __device__ __forceinline__ void store_state(const float (&st)[StateTraits::kKeyTiles][4],
                                                      const RecurrenceParams& p, int64_t at,
                                                      int v0, int g, int t) {
-  if (p.state_bf16) store_state_elems(st, p, at, true, v0, g, t);
+  if (p.state_dtype_is_bf16) store_state_elems(st, p, at, true, v0, g, t);
   else store_state_elems(st, p, at, false, v0, g, t);
 }
 // The pool element where head `head` of line `line` starts (elements of the pool's type).
@@ -1647,7 +1651,7 @@ __host__ __device__ __forceinline__ bool block_walk(Ops& ops, const RecurrencePa
                                                     int64_t slot, int z, int lane, BlockWalk& bw) {
   const int seg_shift = kChunkShift + p.seg_chunk_shift;
   const int64_t seq = segmented(p) ? ops.locate_sequence(p, slot, lane, seg_shift) : slot;
-  if (seq < 0 || seq >= p.max_seqs) return false;
+  if (seq < 0 || seq >= p.num_seqs) return false;
   if (!state_walk(p, seq, bw.walk)) return false;
   bw.seq = seq;
   bw.slot = slot;
@@ -1773,3 +1777,142 @@ __host__ __device__ __forceinline__ void scan_block(Ops& ops, const RecurrencePa
 }
 
 }  // namespace kda::chunked
+
+#ifndef KDA_EMULATED_BODIES_ONLY
+
+// The bodies on the GPU: the hardware mapping of their thread-level operations and the three
+// kernels. Internal linkage: kda_chunked.cu is the one translation unit that launches them.
+namespace kda {
+namespace {
+
+using chunked::PrepTraits;
+using chunked::ScanTraits;
+using chunked::StateTraits;
+using recurrence::RecurrenceParams;
+
+// The thread-level operations of the block bodies on the GPU.
+struct DeviceOps {
+  unsigned char* smem_ptr;
+
+  __device__ __forceinline__ unsigned char* smem() const { return smem_ptr; }
+  __device__ __forceinline__ uint32_t smem_addr(const void* p) const {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+  __device__ __forceinline__ float shfl_xor(float v, int mask) const {
+    return __shfl_xor_sync(0xFFFFFFFFu, v, mask);
+  }
+  // The radix search of common/varlen_map.h, warp-cooperative: every lane of the warp calls it
+  // with the same slot, lane j tests candidate j of each level and a ballot counts them.
+  __device__ __forceinline__ int64_t locate_sequence(const RecurrenceParams& p, int64_t slot,
+                                                     int lane, int shift) const {
+    return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
+      const int64_t cand = base + lane * st;
+      const bool le = cand < p.num_seqs &&
+                      varlen::first_slot(__ldg(p.query_start_loc + cand), cand, shift) <= slot;
+      return __popc(__ballot_sync(0xFFFFFFFFu, le));
+    });
+  }
+  __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+
+  // The same with .trans: r[m] receives (row 2t, column g) and (row 2t + 1, column g) of
+  // matrix m, low half first (the phase-1 solve reads row-major [token][column] tiles as
+  // column-major fragments with it).
+  __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+
+  // d += a b (m16n8k16, bf16 in, fp32 accumulate).
+  __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // d += a b (m16n8k16, fp16 in, fp32 accumulate).
+  __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // d += a b (m16n8k8, tf32 in, fp32 accumulate); tf32 operands as fp32 bit patterns.
+  __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                           uint32_t b1) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  // 16 bytes global -> shared through L2 only (the records are read once per block).
+  __device__ __forceinline__ void cp16(uint32_t dst, const void* src) const {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  }
+  __device__ __forceinline__ void cp_commit() const {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  // Every cp.async of this thread is complete (commits the open group first).
+  __device__ __forceinline__ void cp_wait_all() const {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+  }
+};
+
+// The barriers of a body whose warps reach them from role-dependent code (state_block:
+// the state and the output warps call the block barrier, and the two ends of each named
+// barrier, at different instructions). bar.sync / bar.arrive / __syncthreads are the .aligned
+// forms, which require every participating thread to execute the same barrier instruction
+// (compute-sanitizer's synccheck reports "divergent threads" otherwise); the non-aligned
+// barrier.sync / barrier.arrive do not. Same semantics otherwise.
+struct DivergentBarrierOps : DeviceOps {
+  __device__ __forceinline__ void sync() const { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+  // Barrier `id` (1 .. 15; 0 is the block barrier) among `threads` threads, whole warps.
+  __device__ __forceinline__ void named_sync(int id, int threads) const {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
+  // Arrives at barrier `id` without waiting (a producer): its earlier memory accesses are
+  // performed for the threads that wait there once the barrier completes.
+  __device__ __forceinline__ void named_arrive(int id, int threads) const {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
+};
+
+template <bool kLowerBound>
+__global__ void __launch_bounds__(PrepTraits::kThreads, 2)
+    kda_chunk_prep_kernel(const RecurrenceParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DeviceOps ops{smem_raw};
+  chunked::prep_block<kLowerBound>(ops, p, blockIdx.x, blockIdx.y, threadIdx.x);
+}
+
+// Phase 2's walks: pass 1 (every sequence's first segment, and the other segments' summaries
+// and transitions) or pass 3 (the segments after the first, from their true initial states).
+__global__ void __launch_bounds__(StateTraits::kThreads, 1)
+    kda_chunk_state_kernel(const RecurrenceParams p, int pass) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DivergentBarrierOps ops{{smem_raw}};
+  chunked::state_block(ops, p, pass, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+}
+
+// Phase 2's pass 2: the scan over each sequence's segments.
+__global__ void __launch_bounds__(ScanTraits::kThreads)
+    kda_chunk_scan_kernel(const RecurrenceParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DeviceOps ops{smem_raw};
+  chunked::scan_block(ops, p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+}
+
+}  // namespace
+}  // namespace kda
+
+#endif  // KDA_EMULATED_BODIES_ONLY

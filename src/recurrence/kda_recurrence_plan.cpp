@@ -1,41 +1,21 @@
-// The host side shared by the two recurrence kernels: kda_prep_recurrence_supported() (the
-// argument checks of the op) and make_recurrence_params(). Plain C++, no CUDA.
-#include "recurrence/recurrence_params.h"
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <string>
-#include <utility>
-
-#include "common/check.h"
-#include "common/state_storage.h"
-#include "common/varlen_map.h"
+// The plan the two recurrence kernels share (kda_recurrence.h): the argument checks of the op
+// (recurrence::args_supported, which kda_recurrence_token_supported is whole) and the params
+// both kernels read. Plain C++, no CUDA.
 #include "recurrence/kda_recurrence.h"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/arg_checks.h"
+#include "common/check.h"
+#include "common/state_elements.h"
+#include "common/varlen_map.h"
+#include "recurrence/kda_recurrence_token.h"
 
 namespace kda {
 namespace {
-
-bool aligned_to(const void* ptr, std::size_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0;
-}
-
-// Whether (size, stride) dimensions map distinct indices to distinct elements: sorted by
-// stride, each stride must step past everything the smaller ones span.
-bool strides_disjoint(std::array<std::pair<int64_t, int64_t>, 4> dims) {
-  std::sort(dims.begin(), dims.end(),
-            [](const auto& a, const auto& b) { return a.second < b.second; });
-  int64_t extent = 1;
-  for (const auto& [size, stride] : dims) {
-    if (size <= 1) continue;
-    if (stride < extent) return false;
-    if (stride > (std::numeric_limits<int64_t>::max() - extent) / (size - 1)) return false;
-    extent += stride * (size - 1);
-  }
-  return true;
-}
 
 // `bf16` advanced by `elements` 2-byte elements (the type is incomplete on the host).
 const __nv_bfloat16* bf16_offset(const void* bf16, int64_t elements) {
@@ -45,25 +25,27 @@ const __nv_bfloat16* bf16_offset(const void* bf16, int64_t elements) {
 
 }  // namespace
 
-bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why) {
+namespace recurrence {
+
+bool args_supported(const RecurrenceArgs& a, std::string* why) {
+  using detail::aligned_to;
   using detail::fail;
+  using detail::in_range;
+  using detail::kInt32Max;
   using detail::str_cat;
-  using recurrence::kHeadDim;
-  using recurrence::kMaxHeads;
-  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   if (a.head_dim != kHeadDim)
     return fail(why, str_cat("head_dim ", a.head_dim, " is not supported; only 128 is"));
-  if (a.num_heads < 1 || a.num_heads > kMaxHeads)
+  if (!in_range(a.num_heads, 1, kMaxHeads))
     return fail(why, str_cat("num_heads ", a.num_heads, " is outside [1, ", kMaxHeads,
-                             "] (the grid has ", recurrence::kTokenSlices,
+                             "] (the grid has ", kTokenSlices,
                              " blocks per head in y)"));
-  if (a.num_tokens < 0 || a.num_tokens > kInt32Max)
+  if (!in_range(a.num_tokens, 0, kInt32Max))
     return fail(why, str_cat("num_tokens ", a.num_tokens, " is outside [0, 2^31 - 1]"));
-  if (a.max_seqs < 0 || a.max_seqs > kInt32Max)
-    return fail(why, str_cat("max_seqs ", a.max_seqs, " is outside [0, 2^31 - 1]"));
-  if (a.cache_lines < 0 || a.cache_lines > kInt32Max + 1)
-    return fail(why, str_cat("cache_lines ", a.cache_lines, " is outside [0, 2^31]"));
-  if (!a.query_start_loc || !a.cache_indices)
+  if (!in_range(a.varlen.num_seqs, 0, kInt32Max))
+    return fail(why, str_cat("num_seqs ", a.varlen.num_seqs, " is outside [0, 2^31 - 1]"));
+  if (!in_range(a.varlen.cache_lines, 0, kInt32Max + 1))
+    return fail(why, str_cat("cache_lines ", a.varlen.cache_lines, " is outside [0, 2^31]"));
+  if (!a.varlen.query_start_loc || !a.varlen.cache_indices)
     return fail(why, "query_start_loc and cache_indices must be set");
   if (!a.q || !a.k || !a.v || !a.g1 || !a.b)
     return fail(why, "q, k, v, g1 and b must be set");
@@ -105,17 +87,17 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
   if (a.state_stride_line <= 0 || a.state_stride_head <= 0 || a.state_stride_k <= 0 ||
       a.state_stride_v <= 0)
     return fail(why, "the state strides (line, head, k, v) must be positive");
-  if (!strides_disjoint({{{a.cache_lines, a.state_stride_line},
-                          {a.num_heads, a.state_stride_head},
-                          {kHeadDim, a.state_stride_k},
-                          {kHeadDim, a.state_stride_v}}}))
+  if (detail::strided_extent<4>({{{a.varlen.cache_lines, a.state_stride_line},
+                                  {a.num_heads, a.state_stride_head},
+                                  {kHeadDim, a.state_stride_k},
+                                  {kHeadDim, a.state_stride_v}}}) < 0)
     return fail(why, str_cat("the state strides (line ", a.state_stride_line, ", head ",
                              a.state_stride_head, ", k ", a.state_stride_k, ", v ",
                              a.state_stride_v, ") make state elements overlap"));
   if ((a.checkpoint_seqs == nullptr) != (a.checkpoint_entries == nullptr))
     return fail(why, "checkpoint_seqs and checkpoint_entries must be set together (or both "
                      "null: no checkpoints)");
-  if (a.max_checkpoints < 0 || a.max_checkpoints > kInt32Max)
+  if (!in_range(a.max_checkpoints, 0, kInt32Max))
     return fail(why, str_cat("max_checkpoints ", a.max_checkpoints,
                              " is outside [0, 2^31 - 1]"));
   if (a.checkpoint_seqs != nullptr) {
@@ -130,71 +112,11 @@ bool kda_prep_recurrence_supported(const PrepRecurrenceArgs& a, std::string* why
   return true;
 }
 
-namespace recurrence {
-
-ChunkedLayout chunked_layout(const PrepRecurrenceArgs& a, int seg_chunk_shift) {
-  ChunkedLayout l;
-  l.seg_chunk_shift = seg_chunk_shift;
-  if (a.num_tokens <= 0 || a.max_seqs <= 0 || a.num_heads <= 0) return l;
-  const auto heads = static_cast<std::size_t>(a.num_heads);
-  l.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
-  l.record_bytes = static_cast<std::size_t>(l.slots) * heads * kRecordBytes;
-  if (seg_chunk_shift >= kNoSegments) {
-    l.seg_slots = a.max_seqs;
-  } else {
-    l.seg_slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift + seg_chunk_shift);
-    l.seg_bytes = static_cast<std::size_t>(l.seg_slots) * heads * kHeadDim * kHeadDim * 4;
-  }
-  return l;
-}
-
-// The model (docs/design.md, "Segments"): phase 2 runs one block per SM, and a walk block
-// takes a time t per chunk whatever its role, so a pass of b blocks over segments of L chunks
-// takes ceil(b / S) L t on S SMs. One sequence of N chunks, B = 4 H blocks per segment and
-// role, n = ceil(N / L) segments: pass 1 runs B (2 n - 3) blocks (segment 0's walk, and the
-// summary and the transition of segments 1 .. n - 2), pass 3 B (n - 1), and the scan n - 2
-// steps of about kScanStep chunk times each.
-int auto_segment_shift(int64_t num_tokens, int64_t num_heads, int sm_count) {
-  constexpr int64_t kScanStep = 2;
-  if (sm_count <= 0) return kNoSegments;
-  const int64_t n_chunks = (num_tokens + kKdaChunk - 1) / kKdaChunk;
-  const int64_t b = 4 * std::max<int64_t>(num_heads, 1), sms = std::max(sm_count, 1);
-  const auto waves = [&](int64_t blocks) { return (blocks + sms - 1) / sms; };
-  const int64_t uncut = waves(b) * n_chunks;
-  int64_t best_cost = uncut;
-  int best = kNoSegments;
-  for (int k = kMinAutoSegmentShift; k < 30 && (int64_t{1} << k) < n_chunks; ++k) {
-    const int64_t len = int64_t{1} << k, n = (n_chunks + len - 1) / len;
-    const int64_t cost =
-        waves(b * (2 * n - 3)) * len + waves(b * (n - 1)) * len + kScanStep * (n - 2);
-    if (cost < best_cost) best_cost = cost, best = k;
-  }
-  return 5 * best_cost <= 4 * uncut ? best : kNoSegments;
-}
-
-int segment_shift_of(const PrepRecurrenceArgs& a, int sm_count) {
-  int shift = kNoSegments;
-  if (a.segment_tokens < 0) {
-    shift = auto_segment_shift(a.num_tokens, a.num_heads, sm_count);
-  } else if (a.segment_tokens > 0) {
-    shift = 0;
-    while ((kKdaChunk << shift) < a.segment_tokens) ++shift;
-  }
-  // Segments as long as the longest possible sequence cut nothing.
-  const int64_t n_chunks = (a.num_tokens + kKdaChunk - 1) / kKdaChunk;
-  return shift < kNoSegments && (int64_t{1} << shift) < n_chunks ? shift : kNoSegments;
-}
-
-RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* workspace,
-                                        int seg_chunk_shift) {
+RecurrenceParams make_recurrence_params(const RecurrenceArgs& a) {
   RecurrenceParams p{};
-  p.query_start_loc = a.query_start_loc;
-  p.cache_indices = a.cache_indices;
-  p.has_initial_state = a.has_initial_state;
-  p.null_line = a.null_line;
-  p.cache_lines = a.cache_lines;
+  varlen::copy_varlen_fields(p, a.varlen);
+  p.null_line = a.varlen.null_line.value_or(-1);  // no null line: -1, skipped as out of range
   p.num_tokens = a.num_tokens;
-  p.max_seqs = a.max_seqs;
   p.num_heads = static_cast<int>(a.num_heads);
   p.q = static_cast<const __nv_bfloat16*>(a.q);
   p.k = static_cast<const __nv_bfloat16*>(a.k);
@@ -208,7 +130,7 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.dt_bias = a.dt_bias;
   p.lower_bound = a.gate_lower_bound ? static_cast<float>(*a.gate_lower_bound) : 0.0f;
   p.states = a.states;
-  p.state_bf16 = a.state_dtype == DType::BF16;
+  p.state_dtype_is_bf16 = a.state_dtype == DType::BF16;
   p.state_line = a.state_stride_line;
   p.state_head = a.state_stride_head;
   p.state_k = a.state_stride_k;
@@ -218,21 +140,21 @@ RecurrenceParams make_recurrence_params(const PrepRecurrenceArgs& a, void* works
   p.checkpoint_seqs = a.checkpoint_seqs;
   p.checkpoint_entries = a.checkpoint_entries;
   p.max_checkpoints = a.max_checkpoints;
-  p.slots = varlen::slot_count(a.num_tokens, a.max_seqs, kChunkShift);
-  p.search_steps = varlen::search_steps(a.max_seqs);
+  p.slots = varlen::slot_count(a.num_tokens, a.varlen.num_seqs, kChunkShift);
+  p.search_steps = varlen::search_steps(a.varlen.num_seqs);
   p.search_stride = varlen::search_stride(p.search_steps);
-  p.workspace = static_cast<unsigned char*>(workspace);
-  const ChunkedLayout layout = chunked_layout(a, seg_chunk_shift);
-  p.seg_chunk_shift = seg_chunk_shift;
-  p.seg_slots = layout.seg_slots;
+  p.workspace = nullptr;
+  p.seg_chunk_shift = kNoSegments;  // kda_chunked's make_chunked_params sets the segments
+  p.seg_slots = 0;
   p.seg_states = nullptr;
   p.seg_trans = nullptr;
-  if (workspace != nullptr && layout.seg_bytes > 0) {
-    p.seg_states = reinterpret_cast<float*>(p.workspace + layout.record_bytes);
-    p.seg_trans = reinterpret_cast<float*>(p.workspace + layout.record_bytes + layout.seg_bytes);
-  }
   return p;
 }
 
 }  // namespace recurrence
+
+bool kda_recurrence_token_supported(const RecurrenceArgs& a, std::string* why) {
+  return recurrence::args_supported(a, why);
+}
+
 }  // namespace kda

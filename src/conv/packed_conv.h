@@ -1,5 +1,8 @@
-// Kernel-facing parameters of the packed conv, and the choice of the launch shape.
-// Plain C++ (no CUDA headers): the launcher, supported() and CPU tests share it.
+// The packed conv inside the library: its public Args, supported() and launch are
+// kda/packed_conv.h's; this header adds the forced tunings, the kernel-facing params and the
+// plan functions (packed_conv_plan.cpp: the checks, the launch shape), the launch with a
+// tuning (packed_conv.cu) and the staging layout the device code (packed_conv_kernel.cuh)
+// shares. Plain C++ (no CUDA headers): the launcher, benchmarks and CPU tests share it.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +26,7 @@ struct PackedConvParams {
   void* out = nullptr;
   const float* weight = nullptr;
   const float* bias = nullptr;  // nullptr: acc starts at +0.0f
-  void* conv_states = nullptr;  // elements of the pool's type: fp32, or bf16 with state_bf16
+  void* conv_states = nullptr;  // elements of the pool's type: fp32, or bf16 with state_dtype_is_bf16
   const int32_t* query_start_loc = nullptr;
   const int32_t* cache_indices = nullptr;
   const bool* has_initial_state = nullptr;  // nullptr: no sequence has an initial state
@@ -34,18 +37,18 @@ struct PackedConvParams {
   int64_t part_dim = 0;
   int64_t x_row_stride = 0;
   int64_t weight_stride_dim = 0, weight_stride_tap = 0;
-  int64_t num_cache_lines = 0;
+  int64_t cache_lines = 0;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   int64_t cache_indices_stride = 0;
   int64_t out_plane_stride = 0;  // resolved: never 0
-  int32_t null_block_id = 0;
-  bool has_null_block = false;
+  int32_t null_line = 0;
+  bool has_null_line = false;
   bool silu = true;
   DType x_dtype = DType::BF16;
   // The pool stores bf16 (state_dtype BF16, only with bf16 x): a line then holds the same bf16
   // inputs an fp32 line would hold widened. A run-time flag, not a template parameter: the state
-  // moves once per sequence (packed_conv_body.cuh), so no kernel is instantiated twice for it.
-  bool state_bf16 = false;
+  // moves once per sequence (packed_conv_kernel.cuh), so no kernel is instantiated twice for it.
+  bool state_dtype_is_bf16 = false;
 
   // Launch shape.
   int vec = 0;          // channels per lane

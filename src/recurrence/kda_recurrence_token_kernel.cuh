@@ -1,5 +1,7 @@
-// kda_prep_recurrence: per-token prep (L2 norms, q scale, decay, beta) fused into the
-// token-by-token gated delta rule, one block per (sequence, head, value slice).
+// The device code of kda_recurrence_token (kda_recurrence_token.h): per-token prep (L2 norms,
+// q scale, decay, beta) fused into the token-by-token gated delta rule, one block per
+// (sequence, head, value slice). Included by kda_recurrence_token.cu alone: the kernel and its
+// helpers have internal linkage there.
 //
 // Layout: a block is one warp owning kColumns = 32 value columns of one head; thread j holds
 // the state column S[:, v_j] (128 fp32) in registers. The block prepares kChunk tokens at a
@@ -18,30 +20,27 @@
 // both stage ends (stages start at the sequence's first row), where the pending update has
 // just been applied: S there is exactly the state a run cut at that row ends with, and the
 // block writes its columns of it to the checkpoint's line.
-// Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_bf16, a run-time flag): the
-// state is widened once when loaded and rounded to nearest even at each store, through
-// common/state_storage.h. A checkpoint line and the final line of a run cut there are the same
+// Pool lines hold fp32 or bf16 elements (RecurrenceParams::state_dtype_is_bf16, a run-time
+// flag): the state is widened once when loaded and rounded to nearest even at each store,
+// through common/state_elements.h. A checkpoint line and the final line of a run cut there are the same
 // registers rounded the same way, so they stay bitwise equal in either type. A run continued
 // from a bf16 line starts from the rounded state, so it is not bitwise the uninterrupted run
 // (an fp32 line stores the state exactly, and there it is).
 // The four slices of a head repeat the prep; it is cheap next to 512 FMAs per token and column.
+#pragma once
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 
-#include "common/check.h"
-#include "common/cuda_check.h"
 #include "common/device_math.cuh"
-#include "common/state_storage.h"
+#include "common/state_elements.h"
 #include "recurrence/kda_recurrence.h"
-#include "recurrence/recurrence_params.h"
 
 namespace kda {
 namespace {
 
-constexpr const char* kFunction = "kda::kda_prep_recurrence";
 constexpr int kHeadDim = recurrence::kHeadDim;
 using recurrence::RecurrenceParams;
 
@@ -56,7 +55,7 @@ struct RecurrenceTraits {
   static_assert(kLaneChannels == 4, "the prep loads 4 bf16 (8 bytes) per lane");
   static_assert(kPartials % 4 == 0, "a float4 step must land on 4 distinct accumulators");
   static_assert(kSlices == recurrence::kTokenSlices,
-                "kda_prep_recurrence_supported() limits the heads for this grid");
+                "recurrence::args_supported() limits the heads for this grid");
 };
 using Traits = RecurrenceTraits;
 
@@ -194,11 +193,11 @@ __device__ __forceinline__ void store_column(const float (&s)[kHeadDim], void* p
   }
 }
 
-// grid (max_seqs, H x kSlices), block kThreads. Every exit before the token loop is uniform
+// grid (num_seqs, H x kSlices), block kThreads. Every exit before the token loop is uniform
 // over the block (it depends on blockIdx only), so the barriers below are reached by all.
 template <bool kLowerBound>
 __global__ void __launch_bounds__(Traits::kThreads)
-    kda_prep_recurrence_kernel(const RecurrenceParams p) {
+    kda_recurrence_token_kernel(const RecurrenceParams p) {
   const int seq = blockIdx.x;
   const int head = blockIdx.y / Traits::kSlices;
   const int slice = blockIdx.y % Traits::kSlices;
@@ -215,7 +214,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int64_t state_at = line * p.state_line + column_offset;  // pool elements, either type
   float s[kHeadDim];
   if (p.has_initial_state != nullptr && p.has_initial_state[seq]) {
-    load_column(s, p.states, state_at, p.state_k, p.state_bf16);
+    load_column(s, p.states, state_at, p.state_k, p.state_dtype_is_bf16);
   } else {
 #pragma unroll
     for (int i = 0; i < kHeadDim; ++i) s[i] = 0.0f;
@@ -254,29 +253,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
     if (end % kKdaChunk == 0 || t0 + n == eos) {
       const int64_t ck = recurrence::checkpoint_line(p, checkpoint_at(checkpoints, end));
       if (ck >= 0)
-        store_column(s, p.states, ck * p.state_line + column_offset, p.state_k, p.state_bf16);
+        store_column(s, p.states, ck * p.state_line + column_offset, p.state_k, p.state_dtype_is_bf16);
     }
   }
-  store_column(s, p.states, state_at, p.state_k, p.state_bf16);
+  store_column(s, p.states, state_at, p.state_k, p.state_dtype_is_bf16);
 }
 
 }  // namespace
-
-void kda_prep_recurrence(const PrepRecurrenceArgs& a, Stream stream) {
-  std::string why;
-  if (!kda_prep_recurrence_supported(a, &why)) KDA_FAIL(kFunction, why);
-  if (a.max_seqs == 0 || a.num_tokens == 0) return;
-
-  const RecurrenceParams p = recurrence::make_recurrence_params(a);
-  const dim3 grid(static_cast<unsigned>(p.max_seqs),
-                  static_cast<unsigned>(p.num_heads * Traits::kSlices));
-  const dim3 block(Traits::kThreads);
-  // supported() admits head_dim 128 only, the one instance.
-  if (a.gate_lower_bound)
-    kda_prep_recurrence_kernel<true><<<grid, block, 0, stream>>>(p);
-  else
-    kda_prep_recurrence_kernel<false><<<grid, block, 0, stream>>>(p);
-  KDA_CUDA_CHECK(kFunction, cudaGetLastError());
-}
-
 }  // namespace kda
