@@ -51,6 +51,8 @@
 #include "common/device_memory.h"
 #include "host_data.h"
 #include "prefix_sharing.h"
+#include "runtime/batch_plan.h"      // max_windows, for --validate
+#include "runtime/random_weights.h"  // random_layer_weights_bytes, for --validate
 #include "kda/config.h"
 #include "kda/error.h"
 #include "kda/prefill.h"
@@ -282,123 +284,46 @@ std::vector<kda::Config> tp_rank_configs(const Options& opt, const kda::Config& 
 
 // ---- --validate: the resolved sizes and the module's device memory, without CUDA ----
 
-int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-
 std::string mib(int64_t bytes) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
   return buf;
 }
 
-// What PrefillModule's constructor allocates for `cfg`, term by term, computed without CUDA.
-// This mirrors the constructor in src/runtime/: PrefillModule::Impl::Impl (prefill_module.cpp:
-// the pools and the metadata staging) and LayerProgram::LayerProgram (layer_program.cpp: the
-// activation buffers, the downstream scratch and the two workspaces), and the size functions
-// they call (named at each term). When the module's allocations change, change this too.
-// Memory that CUDA, cuBLASLt and the graphs take for themselves (context, handles,
-// instantiated graphs) is not included.
-struct ModuleMemory {
-  int64_t windows = 0;      // detail::max_windows: ceil(capacity / largest bucket)
-  int64_t padded_rows = 0;  // windows x largest bucket
-  int64_t slot_bytes = 0;   // detail::StagingLayout::for_max_seqs(max_seqs).slot_bytes
-  struct Term {
-    const char* what;
-    int64_t bytes;
-    std::string how;
-  };
-  std::vector<Term> once;       // allocated once per module
-  std::vector<Term> per_layer;  // allocated for every layer
-  int64_t conv_pool = 0, recurrent_pool = 0;
-  int64_t device_total = 0;
-  int64_t pinned_host = 0;      // staging ring + padding slot (cudaMallocHost)
-  int64_t random_weights = 0;   // per layer: init_random_weights' storage (detail::random_layer_weights_bytes)
-};
-
-ModuleMemory module_memory(const kda::Config& cfg) {
-  const kda::ModelConfig& m = cfg.model;
-  const kda::RuntimeConfig& rt = cfg.runtime;
-  const int64_t D = m.hidden_size, P = m.part_dim(), H = m.num_heads, r = m.gate_rank;
-  const int64_t B = rt.largest_bucket(), capacity = rt.batch_token_capacity(), S = rt.max_seqs;
-  const bool full = rt.layer_steps == kda::LayerSteps::Full;
-  const bool chunked = full && rt.recurrence == kda::Recurrence::Chunked;
-  const int64_t bf16 = 2, fp32 = 4;
-  auto n = [](int64_t v) { return std::to_string(v); };
-
-  ModuleMemory mem;
-  mem.windows = (capacity + B - 1) / B;
-  mem.padded_rows = mem.windows * B;
-  // StagingLayout: query_start_loc (S + 1) int32, cache_indices S int32, has_initial_state S
-  // bool, each rounded up to 16 bytes, and with runtime.max_checkpoints > 0 a 16-byte record
-  // per sequence and per checkpoint (src/runtime/batch_plan.cpp).
-  mem.slot_bytes = round_up((S + 1) * 4, 16) + round_up(S * 4, 16) + round_up(S * 1, 16);
-  if (rt.max_checkpoints > 0) mem.slot_bytes += (S + rt.max_checkpoints) * 16;
-  const int64_t R = mem.padded_rows;
-  mem.once = {
-      // LayerProgram (layer_program.cpp): hidden and output, padded_rows x D bf16, so that
-      // every window's bucket rows exist; in_proj output, one window's rows x in_proj_stride;
-      // the planes (3, capacity, P) plus the tail the last window's bucket rows of plane 2 reach.
-      {"hidden states", R * D * bf16, "padded rows " + n(R) + " x D " + n(D) + " bf16"},
-      {"layer output", R * D * bf16, "padded rows " + n(R) + " x D " + n(D) + " bf16"},
-      {"in_proj output", B * m.in_proj_stride() * bf16,
-       "largest bucket " + n(B) + " x in_proj_stride " + n(m.in_proj_stride()) + " bf16"},
-      {"conv planes", (2 * capacity + R) * P * bf16,
-       "(2 x capacity " + n(capacity) + " + padded rows " + n(R) + ") x P " + n(P) + " bf16"},
-      // PrefillModule::Impl (prefill_module.cpp): one staging slot per window.
-      {"metadata staging", mem.windows * mem.slot_bytes,
-       n(mem.windows) + " windows x " + n(mem.slot_bytes) + "-byte slot"},
-  };
-  // LayerProgram: g1, g2, the recurrence output o and the RMSNorm output y, one window's rows
-  // x P bf16 each, only for layer_steps: full.
-  if (full)
-    mem.once.push_back({"gate/recurrence/norm scratch", 4 * B * P * bf16,
-                        "4 buffers (g1, g2, o, y) x largest bucket " + n(B) + " x P " + n(P) + " bf16"});
-  mem.once.push_back({"cuBLASLt workspace", rt.gemm_workspace_bytes, "runtime.gemm_workspace_mib"});
-  // LayerProgram, for recurrence: chunked: kda_chunked_workspace_bytes (recurrence/kda_chunked.cu)
-  // of the largest bucket and max_seqs: chunk_slots = (B >> kChunkShift 6) + max_seqs, times H,
-  // times Record::kBytes = 90624 (recurrence/kda_chunked_kernel.cuh).
-  if (chunked)
-    mem.once.push_back({"chunked recurrence workspace", ((B >> 6) + S) * H * 90624,
-                        "(" + n(B) + "/64 + max_seqs " + n(S) + ") x H " + n(H) + " x 90624-byte record"});
-  // PrefillModule::Impl: per layer, the two pools, Config::conv_pool_elems() and
-  // recurrent_pool_elems() elements of pools.conv_dtype / recurrent_dtype, unless pools.external (the server's memory; this
-  // driver then allocates the same amount itself and hands it over with set_layer_pools).
-  const kda::DType cd = cfg.pools.conv_dtype, rd = cfg.pools.recurrent_dtype;
-  mem.conv_pool = cfg.pools.external ? 0 : cfg.conv_pool_elems() * static_cast<int64_t>(kda::dtype_size(cd));
-  mem.recurrent_pool = cfg.pools.external ? 0 : cfg.recurrent_pool_elems() * static_cast<int64_t>(kda::dtype_size(rd));
-  mem.per_layer = {
-      {"conv-state pool", mem.conv_pool,
-       "cache_lines " + n(cfg.pools.cache_lines) + " x 3P " + n(3 * P) + " x 3 taps " + kda::dtype_name(cd)},
-      {"recurrent-state pool", mem.recurrent_pool,
-       "cache_lines " + n(cfg.pools.cache_lines) + " x H " + n(H) + " x 128 x 128 " + kda::dtype_name(rd)},
-  };
-  for (const auto& t : mem.once) mem.device_total += t.bytes;
-  for (const auto& t : mem.per_layer) mem.device_total += t.bytes * rt.num_layers;
-  // kHostStagingSlots (4) pinned copies of the device staging, plus one padding slot.
-  mem.pinned_host = 4 * mem.windows * mem.slot_bytes + mem.slot_bytes;
-  // random_layer_weights_bytes (src/runtime/random_weights.cu): each tensor 256-byte aligned;
-  // in_proj has in_proj_stride rows.
-  auto a256 = [&](int64_t bytes) { return round_up(bytes, 256); };
-  mem.random_weights = a256(m.in_proj_stride() * D * bf16) + a256(3 * P * m.conv_width * fp32) +
-                       2 * a256(P * r * bf16) + a256(H * fp32) + a256(P * fp32) + a256(m.head_dim * bf16) +
-                       a256(D * P * bf16);
-  return mem;
+// The SM count --validate sizes the module for (the chunked recurrence's segment workspace
+// depends on it): the current device's, else 132 (an H100 or H200 SXM) when there is none.
+int validate_sm_count(bool* assumed) {
+  int device = 0, sms = 0;
+  *assumed = cudaGetDevice(&device) != cudaSuccess ||
+             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0;
+  if (*assumed) {
+    (void)cudaGetLastError();
+    sms = 132;
+  }
+  return sms;
 }
 
+// kda::module_memory's table: what PrefillModule's constructor allocates, as it allocates it.
 void print_module_memory(const kda::Config& cfg, const char* indent) {
-  const ModuleMemory mem = module_memory(cfg);
-  std::printf("%sdevice memory the module allocates (PrefillModule's constructor):\n", indent);
-  for (const auto& t : mem.once)
-    std::printf("%s  %-30s %14lld bytes  %10s  (%s)\n", indent, t.what, (long long)t.bytes, mib(t.bytes).c_str(),
-                t.how.c_str());
-  for (const auto& t : mem.per_layer)
-    std::printf("%s  %-30s %14lld bytes  %10s  per layer (%s)\n", indent, t.what, (long long)t.bytes,
-                mib(t.bytes).c_str(), t.how.c_str());
-  std::printf("%s  total                          %14lld bytes  %10s  (%lld layers)\n", indent,
-              (long long)mem.device_total, mib(mem.device_total).c_str(), (long long)cfg.runtime.num_layers);
-  std::printf("%splus, not counted above: pinned host staging %lld bytes; init_random_weights (this driver) "
-              "%lld bytes per layer (%s for %lld layers); CUDA's, cuBLASLt's and the graphs' own memory\n",
-              indent, (long long)mem.pinned_host, (long long)mem.random_weights,
-              mib(mem.random_weights * cfg.runtime.num_layers).c_str(), (long long)cfg.runtime.num_layers);
+  bool assumed = false;
+  const int sms = validate_sm_count(&assumed);
+  const std::vector<kda::ModuleAllocation> table = kda::module_memory(cfg, sms);
+  std::printf("%smemory the module allocates (PrefillModule's constructor; kda::module_memory for %d SMs%s):\n",
+              indent, sms, assumed ? ", assumed: no CUDA device here" : "");
+  int64_t device_total = 0, host_total = 0;
+  for (const kda::ModuleAllocation& a : table) {
+    const auto all = static_cast<int64_t>(a.bytes) * a.count;
+    (a.pinned_host ? host_total : device_total) += all;
+    const std::string times = a.count > 1 ? " x " + std::to_string(a.count) : "";
+    std::printf("%s  %-30s %14lld bytes%-5s %10s  %s(%s)\n", indent, a.name.c_str(), (long long)a.bytes, times.c_str(),
+                mib(all).c_str(), a.pinned_host ? "pinned host " : "", a.size.c_str());
+  }
+  std::printf("%s  device total %lld bytes (%s), pinned host %lld bytes (%s)\n", indent, (long long)device_total,
+              mib(device_total).c_str(), (long long)host_total, mib(host_total).c_str());
+  const auto random = static_cast<int64_t>(kda::detail::random_layer_weights_bytes(cfg.model));
+  std::printf("%splus, not counted above: init_random_weights (this driver) %lld bytes per layer (%s for %lld "
+              "layers); CUDA's, cuBLASLt's and the graphs' own memory\n",
+              indent, (long long)random, mib(random * cfg.runtime.num_layers).c_str(), (long long)cfg.runtime.num_layers);
 }
 
 const char* steps_name(kda::LayerSteps s) { return s == kda::LayerSteps::Full ? "full" : "conv"; }
@@ -417,12 +342,12 @@ void print_validated(const Options& opt, const kda::Config& cfg, const std::vect
               m.gate_lower_bound ? "lower-bounded sigmoid" : "softplus");
   std::string buckets;
   for (int64_t b : rt.token_buckets) buckets += (buckets.empty() ? "" : ", ") + std::to_string(b);
-  const ModuleMemory mem = module_memory(cfg);
+  const int64_t windows = kda::detail::max_windows(cfg);
   std::printf("  runtime: token buckets [%s], max_seqs %lld, batch token capacity %lld (%lld window%s of up to "
               "%lld tokens), %lld layer%s, layer_steps %s, recurrence %s, capture %s, graphs %s, cuBLASLt "
               "workspace %s\n",
               buckets.c_str(), (long long)rt.max_seqs, (long long)rt.batch_token_capacity(),
-              (long long)mem.windows, mem.windows == 1 ? "" : "s", (long long)rt.largest_bucket(),
+              (long long)windows, windows == 1 ? "" : "s", (long long)rt.largest_bucket(),
               (long long)rt.num_layers, rt.num_layers == 1 ? "" : "s", steps_name(rt.layer_steps),
               recurrence_name(rt.recurrence), rt.capture == kda::CaptureMode::Eager ? "eager" : "lazy",
               rt.use_graphs ? "on" : "off", mib(rt.gemm_workspace_bytes).c_str());
@@ -861,8 +786,11 @@ int main(int argc, char** argv) {
     cuda_or_die(cudaMemGetInfo(&free_before, &device_bytes), "cudaMemGetInfo");
     kda::PrefillModule module(cfg);
     cuda_or_die(cudaMemGetInfo(&free_after, &device_bytes), "cudaMemGetInfo");
-    const int64_t estimate = module_memory(cfg).device_total;
-    std::printf("module construction took %s of device memory (--validate computes %s)\n",
+    int64_t estimate = 0;
+    bool assumed = false;
+    for (const kda::ModuleAllocation& a : kda::module_memory(cfg, validate_sm_count(&assumed)))
+      if (!a.pinned_host) estimate += static_cast<int64_t>(a.bytes) * a.count;
+    std::printf("module construction took %s of device memory (kda::module_memory's table: %s)\n",
                 mib(static_cast<int64_t>(free_before) - static_cast<int64_t>(free_after)).c_str(),
                 mib(estimate).c_str());
     // pools.external: the driver plays the server and hands the module pools of its own (packed

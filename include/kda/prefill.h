@@ -45,6 +45,7 @@
 // runs the same steps eagerly.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -154,11 +155,6 @@ struct StepContext {
   const int32_t* query_start_loc = nullptr;  // (max_seqs + 1), window-local, padded by repetition
   const int32_t* cache_indices = nullptr;    // (max_seqs), padded with pools.null_line
   const bool* has_initial_state = nullptr;   // (max_seqs)
-  // The window's state checkpoints (runtime.max_checkpoints > 0, else null), 16-byte records
-  // {first, interval, count, base} per sequence (max_seqs) and {line, seq, end, 0} per
-  // checkpoint (max_checkpoints; line -1 when unused), window-local: docs/design.md.
-  const int32_t* checkpoint_seqs = nullptr;
-  const int32_t* checkpoint_entries = nullptr;
   const void* hidden = nullptr;            // (bucket_tokens, D) bf16
   void* in_proj_out = nullptr;             // (bucket_tokens, in_proj_stride) bf16
   void* q = nullptr;                       // (bucket_tokens, P) bf16, conv output planes
@@ -210,6 +206,24 @@ struct SelfCheckReport {
   int64_t conv_vs_stock_diff_bits = 0;   // packed conv planes + states vs the stock-path baseline
   std::string detail;                    // one line per comparison
 };
+
+// One allocation PrefillModule's constructor makes.
+struct ModuleAllocation {
+  std::string name;          // what it holds, e.g. "conv planes", "recurrent-state pool"
+  std::string size;          // how the config sizes it, e.g. "padded rows 2048 x D 7168, bf16"
+  std::size_t bytes = 0;     // of one allocation
+  int64_t count = 1;         // how many: runtime.num_layers for the per-layer pools
+  bool pinned_host = false;  // pinned host memory (the metadata staging), not device memory
+};
+
+// Every allocation PrefillModule(config) makes, in the order it makes them: the plan the
+// constructor allocates from. `sm_count`, the multiprocessors of the device the module will
+// run on, sizes the chunked recurrence's segment workspace (runtime.sequence_parallel cuts
+// long sequences only with few heads per SM); 0 sizes it for no cut. Memory that CUDA,
+// cuBLASLt and the graphs take for themselves is not in it, nor what init_random_weights,
+// upload_layer_weights and self_check allocate later. Needs no GPU; throws kda::Error for an
+// invalid config (as validate_config does).
+std::vector<ModuleAllocation> module_memory(const Config& config, int sm_count);
 
 class PrefillModule {
  public:

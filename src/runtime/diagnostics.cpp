@@ -169,7 +169,7 @@ SelfCheckReport PrefillModule::self_check(const BatchView& batch, Stream stream)
       m.run_window(l, w, Impl::Mode::Replay, stream);
       const detail::StepInputs in = m.inputs(l, w, m.windows[w].bucket);
       if (m.config.runtime.max_checkpoints > 0) {
-        ConvCheckpointArgs c = detail::conv_checkpoint_args_for_step(in.ctx);
+        ConvCheckpointArgs c = detail::conv_checkpoint_args_for_step(in);
         c.conv_states = stock_conv[l].get();
         conv_checkpoint(c, stream);
       }

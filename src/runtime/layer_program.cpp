@@ -50,26 +50,6 @@ GemmShape weight_gemm_shape(int64_t n, int64_t k, int64_t lda, int64_t ldc, uint
   return s;
 }
 
-ConvStateStrides conv_state_strides(const Config& config, int64_t line_stride) {
-  ConvStateStrides s;
-  s.line = line_stride > 0 ? line_stride : config.conv_line_elems();
-  const bool dim_tap = config.pools.conv_layout == ConvStateLayout::DimTap;
-  s.dim = dim_tap ? 3 : 1;
-  s.tap = dim_tap ? 1 : 3 * config.model.part_dim();
-  return s;
-}
-
-RecurrentStateStrides recurrent_state_strides(const Config& config, int64_t line_stride) {
-  const int64_t hd = config.model.head_dim;
-  RecurrentStateStrides s;
-  s.line = line_stride > 0 ? line_stride : config.recurrent_line_elems();
-  s.head = hd * hd;
-  const bool hkv = config.pools.recurrent_layout == RecurrentLayout::HKV;
-  s.k = hkv ? hd : 1;
-  s.v = hkv ? 1 : hd;
-  return s;
-}
-
 PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   const ModelConfig& m = model_of(ctx, "kda::detail::conv_args_for_step");
   const int64_t P = m.part_dim();
@@ -98,7 +78,8 @@ PackedConvArgs conv_args_for_step(const StepContext& ctx) {
   return a;
 }
 
-ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx) {
+ConvCheckpointArgs conv_checkpoint_args_for_step(const StepInputs& in) {
+  const StepContext& ctx = in.ctx;
   const ModelConfig& m = model_of(ctx, "kda::detail::conv_checkpoint_args_for_step");
   ConvCheckpointArgs a;
   a.x = ctx.in_proj_out;
@@ -111,22 +92,10 @@ ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx) {
   a.state_stride_dim = ctx.conv_strides.dim;
   a.state_stride_tap = ctx.conv_strides.tap;
   a.varlen = varlen_of(ctx);
-  a.entries = reinterpret_cast<const CheckpointEntry*>(ctx.checkpoint_entries);
-  a.max_entries = ctx.checkpoint_entries ? ctx.config->runtime.max_checkpoints : 0;
+  a.entries = in.checkpoint_entries;
+  a.max_entries = in.checkpoint_entries ? ctx.config->runtime.max_checkpoints : 0;
   return a;
 }
-
-// The chunked recurrence's segment length for every bucket and window of `config`: the op's
-// choice for the largest bucket, so a sequence is cut alike whichever bucket or window runs it
-// and the same batch gives the same bits in any bucket (docs/design.md, "Segments"); 0 (whole
-// sequences) when runtime.sequence_parallel is off.
-namespace {
-int64_t segment_tokens_of(const Config& config) {
-  return config.runtime.sequence_parallel
-             ? kda_chunked_auto_segment_tokens(config.runtime.largest_bucket(), config.model.num_heads)
-             : 0;
-}
-}  // namespace
 
 RecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   const StepContext& ctx = in.ctx;
@@ -156,10 +125,10 @@ RecurrenceArgs recurrence_args_for_step(const StepInputs& in) {
   a.state_stride_v = ctx.recurrent_strides.v;
   a.o = in.o;
   a.o_row_stride = m.part_dim();
-  a.segment_tokens = segment_tokens_of(*ctx.config);
-  if (ctx.checkpoint_seqs && ctx.checkpoint_entries) {
-    a.checkpoint_seqs = reinterpret_cast<const CheckpointSeq*>(ctx.checkpoint_seqs);
-    a.checkpoint_entries = reinterpret_cast<const CheckpointEntry*>(ctx.checkpoint_entries);
+  a.segment_tokens = in.segment_tokens;
+  if (in.checkpoint_seqs && in.checkpoint_entries) {
+    a.checkpoint_seqs = in.checkpoint_seqs;
+    a.checkpoint_entries = in.checkpoint_entries;
     a.max_checkpoints = ctx.config->runtime.max_checkpoints;
   }
   return a;
@@ -184,7 +153,35 @@ GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in) {
   return a;
 }
 
-LayerProgram::LayerProgram(const Config& config) : config_(config) {
+namespace {
+bool always(const Config&) { return true; }
+bool with_checkpoints(const Config& c) { return c.runtime.max_checkpoints > 0; }
+bool layer_is_full(const Config& c) { return c.runtime.layer_steps == LayerSteps::Full; }
+bool chunked_recurrence(const Config& c) { return layer_is_full(c) && c.runtime.recurrence == Recurrence::Chunked; }
+}  // namespace
+
+// The step table: one row per built-in step, in recorded order. A step is enabled by its
+// config predicate, gets the scratch it names allocated (MemoryPlan), is checked by its
+// supported() before the module takes weights or pools (why_unsupported) and run by run().
+const LayerProgram::BuiltinStep LayerProgram::kBuiltinSteps[] = {
+    {"in_proj GEMM", always, 0, nullptr, &LayerProgram::run_in_proj},
+    {"conv checkpoints", with_checkpoints, 0, &LayerProgram::conv_checkpoints_supported,
+     &LayerProgram::run_conv_checkpoints},
+    {"packed conv", always, 0, &LayerProgram::conv_supported, &LayerProgram::run_conv},
+    {"gate GEMMs (g1, g2)", layer_is_full, kScratchG1 | kScratchG2, nullptr, &LayerProgram::run_gates},
+    {"prep + recurrence", layer_is_full, kScratchO, &LayerProgram::recurrence_supported, &LayerProgram::run_recurrence},
+    {"gated RMSNorm", layer_is_full, kScratchY, &LayerProgram::rmsnorm_supported, &LayerProgram::run_rmsnorm},
+    {"o_proj GEMM", layer_is_full, 0, nullptr, &LayerProgram::run_o_proj},
+};
+
+unsigned LayerProgram::scratch_needed(const Config& config) {
+  unsigned s = chunked_recurrence(config) ? kScratchChunkedWorkspace : 0u;
+  for (const BuiltinStep& step : kBuiltinSteps)
+    if (step.enabled(config)) s |= step.scratch;
+  return s;
+}
+
+LayerProgram::LayerProgram(const Config& config, const MemoryPlan& plan) : config_(config), plan_(plan) {
   const ModelConfig& m = config.model;
   KDA_CHECK(m.head_dim == 128, kCtorFn, "model.head_dim ", m.head_dim, " is not supported: only 128 is");
   KDA_CHECK(m.conv_width == 4, kCtorFn, "model.conv_width ", m.conv_width, " is not supported: only 4 is");
@@ -197,39 +194,27 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
   g_a_col_ = f_a_col_ + m.gate_rank;
   B = config.runtime.largest_bucket();
   capacity = config.runtime.batch_token_capacity();
-  windows_max = max_windows(config);
-  padded_rows = windows_max * B;
+  windows_max = plan.windows;
+  padded_rows = plan.padded_rows;
 
-  auto bf16_rows = [](int64_t rows, int64_t cols) { return static_cast<std::size_t>(rows * cols) * 2; };
-  hidden = DeviceBuffer(bf16_rows(padded_rows, D), "hidden states");
-  output = DeviceBuffer(bf16_rows(padded_rows, D), "layer output");
-  in_proj_out = DeviceBuffer(bf16_rows(B, in_stride), "in_proj output");
-  planes = DeviceBuffer(bf16_rows(2 * capacity + padded_rows, P), "conv planes");
-  if (full_layer()) {
-    g1_ = DeviceBuffer(bf16_rows(B, P), "g1 (f_a f_b^T)");
-    g2_ = DeviceBuffer(bf16_rows(B, P), "g2 (g_a g_b^T)");
-    o_ = DeviceBuffer(bf16_rows(B, P), "recurrence output o");
-    y_ = DeviceBuffer(bf16_rows(B, P), "gated RMSNorm output y");
-  }
-  const auto workspace_bytes = static_cast<std::size_t>(config.runtime.gemm_workspace_bytes);
+  hidden = DeviceBuffer(plan.hidden, "hidden states");
+  output = DeviceBuffer(plan.output, "layer output");
+  in_proj_out = DeviceBuffer(plan.in_proj_out, "in_proj output");
+  planes = DeviceBuffer(plan.planes, "conv planes");
+  g1_ = DeviceBuffer(plan.g1, "g1 (f_a f_b^T)");
+  g2_ = DeviceBuffer(plan.g2, "g2 (g_a g_b^T)");
+  o_ = DeviceBuffer(plan.o, "recurrence output o");
+  y_ = DeviceBuffer(plan.y, "gated RMSNorm output y");
+  const std::size_t workspace_bytes = plan.gemm_workspace;
   gemm_workspace_ = DeviceBuffer(workspace_bytes, "cuBLASLt workspace");
-  if (chunked()) {
-    // Sized for the largest bucket and max_seqs: the capacities every window's launch uses.
-    RecurrenceArgs a;
-    a.num_heads = H;
-    a.head_dim = m.head_dim;
-    a.num_tokens = B;
-    a.varlen.num_seqs = config.runtime.max_seqs;
-    a.segment_tokens = segment_tokens_of(config);
-    chunked_workspace_ = DeviceBuffer(kda_chunked_workspace_bytes(a), "chunked recurrence workspace");
-  }
+  chunked_workspace_ = DeviceBuffer(plan.chunked_workspace, "chunked recurrence workspace");
   // Zeroed so that no buffer ever holds uninitialised bits (the in_proj output's pad columns
   // [in_cols, in_stride) are never written by the GEMM).
   for (const DeviceBuffer* a : {&hidden, &output, &in_proj_out, &planes, &g1_, &g2_, &o_, &y_})
     if (a->bytes()) KDA_CUDA_CHECK(kCtorFn, cudaMemset(a->get(), 0, a->bytes()));
 
   // Window w reads hidden rows (and o_proj writes output rows) from w * B.
-  const uint32_t window_rows_align = windows_max > 1 ? pow2_alignment(bf16_rows(B, D)) : 256;
+  const uint32_t window_rows_align = windows_max > 1 ? pow2_alignment(static_cast<std::size_t>(B * D) * 2) : 256;
   GemmShape in_shape = weight_gemm_shape(in_cols, D, D, in_stride, window_rows_align, 256);
   in_proj_gemm_ = std::make_unique<GemmPlan>(lt_.get(), in_shape, config.runtime.token_buckets, workspace_bytes);
   if (in_stride != in_cols) {
@@ -254,16 +239,8 @@ LayerProgram::LayerProgram(const Config& config) : config_(config) {
                                               config.runtime.token_buckets, workspace_bytes);
   }
 
-  steps_.push_back({"in_proj GEMM", &LayerProgram::run_in_proj});
-  if (config.runtime.max_checkpoints > 0)
-    steps_.push_back({"conv checkpoints", &LayerProgram::run_conv_checkpoints});
-  steps_.push_back({"packed conv", &LayerProgram::run_conv});
-  if (full_layer()) {
-    steps_.push_back({"gate GEMMs (g1, g2)", &LayerProgram::run_gates});
-    steps_.push_back({"prep + recurrence", &LayerProgram::run_recurrence});
-    steps_.push_back({"gated RMSNorm", &LayerProgram::run_rmsnorm});
-    steps_.push_back({"o_proj GEMM", &LayerProgram::run_o_proj});
-  }
+  for (const BuiltinStep& step : kBuiltinSteps)
+    if (step.enabled(config)) steps_.push_back(&step);
 }
 
 std::vector<LayerProgram::NamedBuffer> LayerProgram::buffers() const {
@@ -291,9 +268,10 @@ StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const cha
   ctx.cache_indices = reinterpret_cast<const int32_t*>(slot + staging.cache_offset);
   ctx.has_initial_state = reinterpret_cast<const bool*>(slot + staging.flags_offset);
   if (staging.has_checkpoints) {
-    ctx.checkpoint_seqs = reinterpret_cast<const int32_t*>(slot + staging.checkpoint_seq_offset);
-    ctx.checkpoint_entries = reinterpret_cast<const int32_t*>(slot + staging.checkpoint_entry_offset);
+    in.checkpoint_seqs = reinterpret_cast<const CheckpointSeq*>(slot + staging.checkpoint_seq_offset);
+    in.checkpoint_entries = reinterpret_cast<const CheckpointEntry*>(slot + staging.checkpoint_entry_offset);
   }
+  in.segment_tokens = plan_.segment_tokens;
   const int64_t row0 = window * B;
   ctx.hidden = hidden.as<char>() + row0 * D * 2;
   ctx.in_proj_out = in_proj_out.get();
@@ -322,19 +300,30 @@ StepInputs LayerProgram::inputs(int layer, int window, int64_t bucket, const cha
 
 LayerProgram::Unsupported LayerProgram::why_unsupported(const StepInputs& in) const {
   Unsupported u;
-  if (!packed_causal_conv1d_supported(conv_args_for_step(in.ctx), &u.why)) {
-    u.step = "the packed conv";
-  } else if (config_.runtime.max_checkpoints > 0 &&
-             !conv_checkpoint_supported(conv_checkpoint_args_for_step(in.ctx), &u.why)) {
-    u.step = "the conv checkpoints";
-  } else if (full_layer()) {
-    const RecurrenceArgs rec = recurrence_args_for_step(in);
-    if (chunked() ? !kda_chunked_supported(rec, &u.why) : !kda_recurrence_token_supported(rec, &u.why))
-      u.step = "the recurrence";
-    else if (!gated_rmsnorm_supported(rmsnorm_args_for_step(in), &u.why))
-      u.step = "the gated RMSNorm";
+  for (const BuiltinStep* step : steps_) {
+    if (step->supported && !(this->*step->supported)(in, &u.why)) {
+      u.step = step->name;
+      break;
+    }
   }
   return u;
+}
+
+bool LayerProgram::conv_checkpoints_supported(const StepInputs& in, std::string* why) const {
+  return conv_checkpoint_supported(conv_checkpoint_args_for_step(in), why);
+}
+
+bool LayerProgram::conv_supported(const StepInputs& in, std::string* why) const {
+  return packed_causal_conv1d_supported(conv_args_for_step(in.ctx), why);
+}
+
+bool LayerProgram::recurrence_supported(const StepInputs& in, std::string* why) const {
+  const RecurrenceArgs a = recurrence_args_for_step(in);
+  return chunked() ? kda_chunked_supported(a, why) : kda_recurrence_token_supported(a, why);
+}
+
+bool LayerProgram::rmsnorm_supported(const StepInputs& in, std::string* why) const {
+  return gated_rmsnorm_supported(rmsnorm_args_for_step(in), why);
 }
 
 // (1) in_proj: hidden rows [w*B, w*B + bucket) -> in_proj output rows [0, bucket).
@@ -349,7 +338,7 @@ void LayerProgram::run_in_proj(const StepInputs& in, Stream stream) const {
 // (2a) the conv states at the window's checkpoints, copied from the in_proj output (and the
 // sequences' conv lines, read before (2) rewrites them) into the checkpoint lines.
 void LayerProgram::run_conv_checkpoints(const StepInputs& in, Stream stream) const {
-  conv_checkpoint(conv_checkpoint_args_for_step(in.ctx), stream);
+  conv_checkpoint(conv_checkpoint_args_for_step(in), stream);
 }
 
 // (2) packed conv of the Q|K|V columns into the window's plane rows, updating the conv pool.

@@ -1,7 +1,8 @@
-// The layer program of the prefill module: the buffers one layer's steps run on, the cuBLASLt
-// plans of its four GEMMs, the built-in step list, and every StepContext -> kernel-arguments
-// adapter. It knows nothing of batches, windows' metadata contents, graphs or pools: those are
-// the module's (forward.cpp); it gets them through StepInputs.
+// The layer program of the prefill module: the buffers one layer's steps run on (allocated from
+// the MemoryPlan), the cuBLASLt plans of its four GEMMs, the built-in step table, and every
+// StepInputs -> kernel-arguments adapter. It knows nothing of batches, windows' metadata
+// contents, graphs or pools: those are the module's (forward.cpp); it gets them through
+// StepInputs. docs/design.md, "How to add a step", says what a new step touches.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "common/device_memory.h"
+#include "common/state_checkpoints.h"
 #include "conv/conv_checkpoint.h"
 #include "kda/config.h"
 #include "kda/packed_conv.h"
@@ -19,6 +21,8 @@
 #include "recurrence/kda_recurrence.h"
 #include "runtime/batch_plan.h"
 #include "runtime/gemm_plan.h"
+#include "runtime/module_memory.h"
+#include "runtime/state_pools.h"
 
 namespace kda::detail {
 
@@ -28,6 +32,12 @@ namespace kda::detail {
 // graph records exactly what its StepInputs named.
 struct StepInputs {
   StepContext ctx;
+  // The window's state checkpoints (runtime.max_checkpoints > 0, else null): per sequence
+  // (max_seqs) and per checkpoint (max_checkpoints; line -1 when unused), window-local
+  // (docs/design.md, "State checkpoints").
+  const CheckpointSeq* checkpoint_seqs = nullptr;
+  const CheckpointEntry* checkpoint_entries = nullptr;
+  int64_t segment_tokens = 0;  // the chunked recurrence's segment length (MemoryPlan)
   // (ctx.bucket_tokens, P) bf16 scratch with row stride P, shared by layers and windows:
   // g1 = f_a f_b^T, g2 = g_a g_b^T, the recurrence output o and the gated-RMSNorm output y.
   void* g1 = nullptr;
@@ -50,14 +60,10 @@ struct StepInputs {
 //  - conv checkpoints: the conv's x and pool, and the window's checkpoint entries (the
 //    recurrence gets the per-sequence records and the entries too).
 PackedConvArgs conv_args_for_step(const StepContext& ctx);
-ConvCheckpointArgs conv_checkpoint_args_for_step(const StepContext& ctx);
+ConvCheckpointArgs conv_checkpoint_args_for_step(const StepInputs& in);
 RecurrenceArgs recurrence_args_for_step(const StepInputs& in);
 GatedRmsNormArgs rmsnorm_args_for_step(const StepInputs& in);
 
-// The element strides of a pool line of the config's layout (pools.conv_layout,
-// pools.recurrent_layout), lines `line_stride` elements apart (0: packed lines).
-ConvStateStrides conv_state_strides(const Config& config, int64_t line_stride);
-RecurrentStateStrides recurrent_state_strides(const Config& config, int64_t line_stride);
 
 // A row-major bf16 GEMM C (M x n) = A (M x k) @ W (n x k)^T whose W is caller-owned (16-byte
 // aligned, as set_layer_weights requires) and whose A and C start at the given alignments.
@@ -68,9 +74,12 @@ uint32_t pow2_alignment(std::size_t bytes);
 
 class LayerProgram {
  public:
-  // Allocates every buffer (zeroed) and builds the GEMM plans on the current device. `config`
-  // is validated and must outlive the program.
-  explicit LayerProgram(const Config& config);
+  // Allocates every buffer of `plan` (zeroed) and builds the GEMM plans on the current device.
+  // `config` is validated and, like `plan` (plan_memory(config, ...)), outlives the program.
+  LayerProgram(const Config& config, const MemoryPlan& plan);
+
+  // The scratch buffers (ScratchBuffer bits) the built-in steps enabled by `config` use.
+  static unsigned scratch_needed(const Config& config);
   LayerProgram(const LayerProgram&) = delete;
   LayerProgram& operator=(const LayerProgram&) = delete;
 
@@ -104,15 +113,16 @@ class LayerProgram {
                     const LayerWeights* weights, void* conv_pool, const ConvStateStrides& conv_strides,
                     void* recurrent_pool, const RecurrentStateStrides& recurrent_strides) const;
 
-  // The built-in steps in recorded order: in_proj GEMM, the conv checkpoints (only with
-  // runtime.max_checkpoints > 0: they read the sequences' conv lines before the packed conv
-  // rewrites them), packed conv, and with layer_steps: full the gate GEMMs, prep + recurrence
-  // (which writes the recurrent checkpoints), gated RMSNorm and o_proj.
+  // The enabled built-in steps in recorded order (the step table in layer_program.cpp):
+  // in_proj GEMM, the conv checkpoints (only with runtime.max_checkpoints > 0: they read the
+  // sequences' conv lines before the packed conv rewrites them), packed conv, and with
+  // layer_steps: full the gate GEMMs, prep + recurrence (which writes the recurrent
+  // checkpoints), gated RMSNorm and o_proj.
   int num_steps() const { return static_cast<int>(steps_.size()); }
-  const char* step_name(int i) const { return steps_[i].name; }
-  void run_step(int i, const StepInputs& in, Stream stream) const { (this->*steps_[i].run)(in, stream); }
+  const char* step_name(int i) const { return steps_[i]->name; }
+  void run_step(int i, const StepInputs& in, Stream stream) const { (this->*steps_[i]->run)(in, stream); }
 
-  // The first kernel step whose can_implement check refuses `in`, and why; step is null when
+  // The first enabled step whose supported() check refuses `in`, and why; step is null when
   // every step can run it. Reads no device memory.
   struct Unsupported {
     const char* step = nullptr;
@@ -121,10 +131,21 @@ class LayerProgram {
   Unsupported why_unsupported(const StepInputs& in) const;
 
  private:
+  // One row of the step table: everything the program knows of a built-in step.
   struct BuiltinStep {
-    const char* name;
-    void (LayerProgram::*run)(const StepInputs&, Stream) const;
+    const char* name;                    // as profile_steps and errors name it
+    bool (*enabled)(const Config&);      // whether the config's layer has the step
+    unsigned scratch;                    // ScratchBuffer bits it writes or reads
+    // Its kernels' supported() check on the step's arguments (null: nothing to check).
+    bool (LayerProgram::*supported)(const StepInputs&, std::string* why) const;
+    void (LayerProgram::*run)(const StepInputs&, Stream) const;  // enqueues it
   };
+  static const BuiltinStep kBuiltinSteps[];
+
+  bool conv_checkpoints_supported(const StepInputs& in, std::string* why) const;
+  bool conv_supported(const StepInputs& in, std::string* why) const;
+  bool recurrence_supported(const StepInputs& in, std::string* why) const;
+  bool rmsnorm_supported(const StepInputs& in, std::string* why) const;
   void run_in_proj(const StepInputs& in, Stream stream) const;
   void run_conv_checkpoints(const StepInputs& in, Stream stream) const;
   void run_conv(const StepInputs& in, Stream stream) const;
@@ -140,7 +161,8 @@ class LayerProgram {
   // in_proj over the unpadded width W_in, and over the padded width for weights padded to
   // in_proj_stride() (LayerWeights::in_proj_rows); the latter is null when the widths agree.
   std::unique_ptr<GemmPlan> in_proj_gemm_, in_proj_gemm_padded_, g1_gemm_, g2_gemm_, o_proj_gemm_;
-  std::vector<BuiltinStep> steps_;
+  const MemoryPlan& plan_;
+  std::vector<const BuiltinStep*> steps_;  // the enabled rows of kBuiltinSteps, in order
 };
 
 }  // namespace kda::detail

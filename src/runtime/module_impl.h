@@ -19,6 +19,7 @@
 #include "runtime/batch_plan.h"
 #include "runtime/forward_ledger.h"
 #include "runtime/layer_program.h"
+#include "runtime/module_memory.h"
 #include "runtime/state_pools.h"
 
 namespace kda {
@@ -36,6 +37,7 @@ struct PrefillModule::Impl {
   int device = 0;  // the CUDA device everything is allocated on; every member function makes it
                    // current (DeviceGuard) and gives the caller's device back
   int num_layers = 0;
+  const detail::MemoryPlan memory;  // every allocation's size, for this device's SM count
   detail::LayerProgram program;
   detail::StagingLayout staging;
 
@@ -55,7 +57,7 @@ struct PrefillModule::Impl {
   // staging_done[h] is recorded after the copy out of buffer h, so refilling it waits only for
   // the copy kHostStagingSlots forwards back, and the host may run that many forwards ahead of
   // the GPU without blocking in begin_forward.
-  static constexpr int kHostStagingSlots = 4;
+  static constexpr int kHostStagingSlots = detail::kHostStagingCopies;
   detail::DeviceBuffer staging_dev;
   detail::PinnedBuffer staging_host[kHostStagingSlots];
   detail::Event staging_done[kHostStagingSlots];
@@ -127,8 +129,6 @@ struct PrefillModule::Impl {
   // weights.cpp
   void set_weights(int layer, const LayerWeights& w, const char* fn);
   void set_pools(int layer, const StatePools& p, const char* fn);
-  // The lines pools `p` (strides resolved) of `layer` hold: conv, then recurrent.
-  std::vector<detail::LineSpan> pool_spans(int layer, const StatePools& p) const;
   // Throws naming both ranges when p's pools share a byte with each other, with another
   // layer's pools or with a module buffer.
   void check_pools_overlap_nothing(int layer, const StatePools& p, const char* fn) const;

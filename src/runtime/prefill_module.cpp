@@ -24,13 +24,20 @@ int usable_current_device(const char* fn) {
   }
   return device;
 }
+
+int sm_count_of(int device, const char* fn) {
+  int sms = 0;
+  KDA_CUDA_CHECK(fn, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
 }  // namespace
 
 PrefillModule::Impl::Impl(const Config& cfg)
     : config(cfg),
       device(usable_current_device("kda::PrefillModule::PrefillModule")),
       num_layers(static_cast<int>(cfg.runtime.num_layers)),
-      program(config),
+      memory(detail::plan_memory(cfg, sm_count_of(device, "kda::PrefillModule::PrefillModule"))),
+      program(config, memory),
       staging(detail::StagingLayout::for_config(cfg)),
       validator(cfg),
       ledger(static_cast<int>(cfg.runtime.num_layers)) {
@@ -38,9 +45,7 @@ PrefillModule::Impl::Impl(const Config& cfg)
   pools.assign(num_layers, StatePools{});
   has_pools.assign(num_layers, 0);
   if (!config.pools.external) {
-    const auto conv_bytes = static_cast<std::size_t>(config.conv_pool_elems()) * dtype_size(config.pools.conv_dtype);
-    const auto rec_bytes =
-        static_cast<std::size_t>(config.recurrent_pool_elems()) * dtype_size(config.pools.recurrent_dtype);
+    const std::size_t conv_bytes = memory.conv_pool, rec_bytes = memory.recurrent_pool;
     for (int l = 0; l < num_layers; ++l) {
       owned_conv_pools.emplace_back(conv_bytes, "conv-state pool");
       owned_rec_pools.emplace_back(rec_bytes, "recurrent-state pool");
@@ -51,10 +56,9 @@ PrefillModule::Impl::Impl(const Config& cfg)
       has_pools[l] = 1;
     }
   }
-  const std::size_t staging_bytes = static_cast<std::size_t>(program.windows_max) * staging.slot_bytes;
-  staging_dev = detail::DeviceBuffer(staging_bytes, "metadata staging");
-  for (auto& h : staging_host) h = detail::PinnedBuffer(staging_bytes, "host staging");
-  padding_slot = detail::PinnedBuffer(staging.slot_bytes, "padding slot");
+  staging_dev = detail::DeviceBuffer(memory.staging_device, "metadata staging");
+  for (auto& h : staging_host) h = detail::PinnedBuffer(memory.staging_host, "host staging");
+  padding_slot = detail::PinnedBuffer(memory.padding_slot, "padding slot");
   detail::fill_padding_staging(config, staging, padding_slot.get());
   // Every device slot starts as padding (no sequence, no checkpoint line), so no kernel ever
   // reads a slot that a forward has not written as a batch.
@@ -100,15 +104,11 @@ RecurrentStateStrides PrefillModule::Impl::recurrent_strides(int layer) const {
 }
 
 std::size_t PrefillModule::Impl::conv_span_bytes(int layer) const {
-  const int64_t lines = config.pools.cache_lines;
-  return static_cast<std::size_t>((lines - 1) * pools[layer].conv_line_stride + config.conv_line_elems()) *
-         dtype_size(config.pools.conv_dtype);
+  return detail::conv_pool_span_bytes(config, pools[layer].conv_line_stride);
 }
 
 std::size_t PrefillModule::Impl::rec_span_bytes(int layer) const {
-  const int64_t lines = config.pools.cache_lines;
-  return static_cast<std::size_t>((lines - 1) * pools[layer].recurrent_line_stride + config.recurrent_line_elems()) *
-         dtype_size(config.pools.recurrent_dtype);
+  return detail::recurrent_pool_span_bytes(config, pools[layer].recurrent_line_stride);
 }
 
 void PrefillModule::Impl::check_tp_ready(const char* fn) const {

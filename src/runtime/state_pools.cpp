@@ -23,6 +23,41 @@ int64_t first_line_ending_after(const LineSpan& s, uintptr_t at) {
 }
 }  // namespace
 
+ConvStateStrides conv_state_strides(const Config& config, int64_t line_stride) {
+  ConvStateStrides s;
+  s.line = line_stride > 0 ? line_stride : config.conv_line_elems();
+  const bool dim_tap = config.pools.conv_layout == ConvStateLayout::DimTap;
+  s.dim = dim_tap ? 3 : 1;
+  s.tap = dim_tap ? 1 : 3 * config.model.part_dim();
+  return s;
+}
+
+RecurrentStateStrides recurrent_state_strides(const Config& config, int64_t line_stride) {
+  const int64_t hd = config.model.head_dim;
+  RecurrentStateStrides s;
+  s.line = line_stride > 0 ? line_stride : config.recurrent_line_elems();
+  s.head = hd * hd;
+  const bool hkv = config.pools.recurrent_layout == RecurrentLayout::HKV;
+  s.k = hkv ? hd : 1;
+  s.v = hkv ? 1 : hd;
+  return s;
+}
+
+const char* layout_name(ConvStateLayout layout) { return layout == ConvStateLayout::DimTap ? "dim_tap" : "tap_dim"; }
+const char* layout_name(RecurrentLayout layout) { return layout == RecurrentLayout::HKV ? "hkv" : "hvk"; }
+const char* line_shape(ConvStateLayout layout) { return layout == ConvStateLayout::DimTap ? "(3P, 3)" : "(3, 3P)"; }
+const char* line_shape(RecurrentLayout layout) { return layout == RecurrentLayout::HKV ? "(H, K, V)" : "(H, V, K)"; }
+
+std::size_t conv_pool_span_bytes(const Config& config, int64_t line_stride) {
+  return static_cast<std::size_t>((config.pools.cache_lines - 1) * line_stride + config.conv_line_elems()) *
+         dtype_size(config.pools.conv_dtype);
+}
+
+std::size_t recurrent_pool_span_bytes(const Config& config, int64_t line_stride) {
+  return static_cast<std::size_t>((config.pools.cache_lines - 1) * line_stride + config.recurrent_line_elems()) *
+         dtype_size(config.pools.recurrent_dtype);
+}
+
 LineSpan LineSpan::contiguous(std::string name, const void* base, uint64_t bytes) {
   LineSpan s;
   s.name = std::move(name);
@@ -71,6 +106,21 @@ std::string overlap_message(const LineSpan& a, const LineSpan& b) {
   if (!spans_overlap(a, b, &at)) return {};
   return a.name + " " + a.describe() + " overlaps " + b.name + " " + b.describe() + " (first common byte " + hex(at) +
          ")";
+}
+
+std::vector<LineSpan> pool_line_spans(const Config& config, int layer, const StatePools& p) {
+  auto span = [&](const char* which, const void* base, int64_t stride, int64_t line_elems, DType dtype) {
+    LineSpan s;
+    s.name = "layer " + std::to_string(layer) + " pools." + which;
+    s.base = reinterpret_cast<uintptr_t>(base);
+    s.stride_bytes = static_cast<uint64_t>(stride) * dtype_size(dtype);
+    s.line_bytes = static_cast<uint64_t>(line_elems) * dtype_size(dtype);
+    s.lines = config.pools.cache_lines;
+    return s;
+  };
+  return {span("conv", p.conv, p.conv_line_stride, config.conv_line_elems(), config.pools.conv_dtype),
+          span("recurrent", p.recurrent, p.recurrent_line_stride, config.recurrent_line_elems(),
+               config.pools.recurrent_dtype)};
 }
 
 }  // namespace kda::detail

@@ -101,30 +101,14 @@ void PrefillModule::Impl::set_pools(int layer, const StatePools& p, const char* 
     bump_version(layer);
 }
 
-std::vector<detail::LineSpan> PrefillModule::Impl::pool_spans(int layer, const StatePools& p) const {
-  const int64_t lines = config.pools.cache_lines;
-  auto span = [&](const char* which, const void* base, int64_t stride, int64_t line_elems, DType dtype) {
-    detail::LineSpan s;
-    s.name = detail::str_cat("layer ", layer, " pools.", which);
-    s.base = reinterpret_cast<uintptr_t>(base);
-    s.stride_bytes = static_cast<uint64_t>(stride) * dtype_size(dtype);
-    s.line_bytes = static_cast<uint64_t>(line_elems) * dtype_size(dtype);
-    s.lines = lines;
-    return s;
-  };
-  return {span("conv", p.conv, p.conv_line_stride, config.conv_line_elems(), config.pools.conv_dtype),
-          span("recurrent", p.recurrent, p.recurrent_line_stride, config.recurrent_line_elems(),
-               config.pools.recurrent_dtype)};
-}
-
 void PrefillModule::Impl::check_pools_overlap_nothing(int layer, const StatePools& p, const char* fn) const {
   // The lines this layer's pools would have the module write, against each other, against
   // every other layer's pools and against every buffer the module owns.
-  const std::vector<detail::LineSpan> mine = pool_spans(layer, p);
+  const std::vector<detail::LineSpan> mine = detail::pool_line_spans(config, layer, p);
   std::vector<detail::LineSpan> others;
   for (int l = 0; l < num_layers; ++l)
     if (l != layer && has_pools[l])
-      for (detail::LineSpan& s : pool_spans(l, pools[l])) others.push_back(std::move(s));
+      for (detail::LineSpan& s : detail::pool_line_spans(config, l, pools[l])) others.push_back(std::move(s));
   for (const detail::LayerProgram::NamedBuffer& b : program.buffers())
     others.push_back(detail::LineSpan::contiguous(detail::str_cat("the module's ", b.name), b.buffer->get(),
                                                   b.buffer->bytes()));

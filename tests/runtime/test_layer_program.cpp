@@ -175,7 +175,7 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
   in.ctx = ctx;
 
   SUBCASE("checkpoints off: the conv checkpoints do nothing and the recurrence gets no table") {
-    const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in.ctx);
+    const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in);
     CHECK(c.max_entries == 0);
     CHECK(kda::conv_checkpoint_supported(c));
     const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
@@ -185,9 +185,9 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
   }
   SUBCASE("checkpoints on") {
     config.runtime.max_checkpoints = 12;
-    in.ctx.checkpoint_seqs = fake<const int32_t>(7);
-    in.ctx.checkpoint_entries = fake<const int32_t>(8);
-    const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in.ctx);
+    in.checkpoint_seqs = fake<const kda::CheckpointSeq>(7);
+    in.checkpoint_entries = fake<const kda::CheckpointEntry>(8);
+    const kda::ConvCheckpointArgs c = kda::detail::conv_checkpoint_args_for_step(in);
     CHECK(c.x == ctx.in_proj_out);
     CHECK(c.x_row_stride == config.model.in_proj_stride());
     CHECK(c.dim == 3 * 256);
@@ -203,13 +203,13 @@ TEST_CASE("the checkpoint records reach the conv checkpoints and the recurrence,
     CHECK(c.varlen.query_start_loc == ctx.query_start_loc);
     CHECK(c.varlen.cache_indices == ctx.cache_indices);
     CHECK(c.varlen.has_initial_state == ctx.has_initial_state);
-    CHECK(static_cast<const void*>(c.entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
+    CHECK(c.entries == in.checkpoint_entries);
     CHECK(c.max_entries == 12);
     std::string why;
     CHECK_MESSAGE(kda::conv_checkpoint_supported(c, &why), why);
     const kda::RecurrenceArgs r = kda::detail::recurrence_args_for_step(in);
-    CHECK(static_cast<const void*>(r.checkpoint_seqs) == static_cast<const void*>(in.ctx.checkpoint_seqs));
-    CHECK(static_cast<const void*>(r.checkpoint_entries) == static_cast<const void*>(in.ctx.checkpoint_entries));
+    CHECK(r.checkpoint_seqs == in.checkpoint_seqs);
+    CHECK(r.checkpoint_entries == in.checkpoint_entries);
     CHECK(r.max_checkpoints == 12);
   }
 }

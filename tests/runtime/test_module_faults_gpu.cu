@@ -391,6 +391,22 @@ TEST_CASE("a failed allocation at construction names the buffer, leaks nothing, 
   };
   cycle(1);
   KDA_TEST_CUDA(cudaDeviceSynchronize());
+  {
+    // The constructor takes at least what kda::module_memory's table says (cudaMalloc rounds up).
+    int device = 0, sms = 0;
+    KDA_TEST_CUDA(cudaGetDevice(&device));
+    KDA_TEST_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    std::size_t table = 0, before = 0, after = 0;
+    for (const kda::ModuleAllocation& a : kda::module_memory(tiny_config(), sms))
+      if (!a.pinned_host) table += a.bytes * static_cast<std::size_t>(a.count);
+    KDA_TEST_CUDA(cudaMemGetInfo(&before, &total));
+    {
+      const kda::PrefillModule m(tiny_config());
+      KDA_TEST_CUDA(cudaMemGetInfo(&after, &total));
+    }
+    MESSAGE("module_memory's device total ", table, " B; construction took ", before - after, " B");
+    CHECK(before - after >= table);
+  }
   std::size_t free_before = 0;
   KDA_TEST_CUDA(cudaMemGetInfo(&free_before, &total));
   CHECK_THROWS_WITH_AS(kda::PrefillModule{huge}, doctest::Contains("for recurrent-state pool failed: cudaErrorMemoryAllocation"),
