@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "kda/error.h"  // each public header makes kda::Error usable
+
 namespace kda {
 
 // A batch of sequences packed row after row, each with its line in a state pool. All pointers

@@ -1,9 +1,9 @@
 // The plan of kda_chunked (src/recurrence/kda_chunked_plan.cpp) on the CPU: the segment choice
 // (the cost model of docs/design.md, "Segments"), the segment length of an explicit or automatic
 // segment_tokens, the workspace layout, and the checks kda_chunked adds to the shared ones.
-// The tables hold the values the plan gave when it still worked in chunk shifts (a shift k as
-// 64 << k tokens, no cut as 0): the plan must choose exactly what it chose then, since a
-// sequence's bits depend on its segment length.
+// The tables pin the plan's values over a grid of capacities and SM counts (segment lengths in
+// tokens, 0 for no cut): a sequence's bits depend on its segment length and the module's memory
+// on the layout, so neither may drift.
 #include <doctest/doctest.h>
 
 #include <cstddef>
@@ -307,7 +307,7 @@ kda::RecurrenceArgs capacities(int64_t tokens, int64_t seqs, int64_t heads) {
 
 }  // namespace
 
-TEST_CASE("auto_segment_tokens chooses what it always chose, over tokens x heads x SM counts") {
+TEST_CASE("auto_segment_tokens over tokens x heads x SM counts") {
   for (const AutoRow& r : kAuto)
     for (int i = 0; i < 6; ++i) {
       CAPTURE(r.tokens);
@@ -317,7 +317,7 @@ TEST_CASE("auto_segment_tokens chooses what it always chose, over tokens x heads
     }
 }
 
-TEST_CASE("segment_tokens_of resolves explicit and automatic lengths as it always did") {
+TEST_CASE("segment_tokens_of resolves explicit and automatic lengths") {
   for (const SegmentRow& r : kSegments)
     for (int i = 0; i < 9; ++i) {
       kda::RecurrenceArgs a = capacities(r.tokens, 8, 12);
@@ -335,7 +335,7 @@ TEST_CASE("segment_tokens_of resolves explicit and automatic lengths as it alway
     }
 }
 
-TEST_CASE("the chunked workspace layout is what it always was") {
+TEST_CASE("the chunked workspace layout over capacities and segment lengths") {
   for (const LayoutRow& r : kLayouts) {
     CAPTURE(r.tokens);
     CAPTURE(r.seqs);
