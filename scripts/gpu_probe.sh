@@ -16,7 +16,7 @@ for step in ${PROBE_STEPS:-module conv steps chunked gemm tunings core}; do
   case $step in
     module) run module.log 150 "$b/tests/test_module_gpu" ;;
     conv) run conv.log 100 "$b/tests/test_packed_conv_gpu" ;;
-    steps) run steps.log 60 "$b/tests/test_kda_steps_gpu" ;;
+    steps) run steps.log 60 "$b/tests/test_kda_recurrence_token_gpu"; run norm.log 30 "$b/tests/test_gated_rmsnorm_gpu" ;;
     chunked) run chunked.log 60 "$b/tests/test_kda_chunked_gpu" ;;
     gemm) run gemm.md 60 "$b/bench/bench_gemm" ;;
     tunings) run tunings.md 100 "$b/bench/bench_conv_tunings" --quick ;;

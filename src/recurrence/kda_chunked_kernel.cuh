@@ -1,6 +1,6 @@
 // The device code of the chunked KDA recurrence (kda_chunked.h): the block bodies, written
 // once for the GPU and for a CPU emulation of one CUDA block
-// (tests/layer/test_kda_chunked_emu.cu), and at the end of this file their binding to the
+// (tests/recurrence/test_kda_chunked_emu.cu), and at the end of this file their binding to the
 // hardware (DeviceOps) and the kernels.
 // Include from .cu files only (nvcc); the emulation defines KDA_EMULATED_BODIES_ONLY to take
 // the bodies without the binding and the kernels.
@@ -19,7 +19,7 @@
 // (the last token before row block I; inside a 16 x 16 diagonal sub-block b, at its middle
 // token r = 16b + 7): 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j), both factors <= 1
 // because j <= r < i, so each such block is a plain bf16 product on tensor cores of rows
-// scaled once. tests/layer/test_kda_chunked_math.cpp checks this
+// scaled once. tests/recurrence/test_kda_chunked_math.cpp checks this
 // algebra against the token-by-token recurrence in float64.
 //
 // Phase 1 (prep_block): one block of 256 threads per (chunk slot, head), all in parallel.

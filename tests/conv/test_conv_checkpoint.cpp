@@ -25,6 +25,7 @@
 #include "conv/conv_checkpoint_kernel.cuh"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
+#include "support/fake_pointers.h"
 #include "support/test_data.h"
 #include "support/test_errors.h"
 #include "testing/conv_reference.h"
@@ -337,12 +338,7 @@ Outcome check_case(const Case& cs, uint64_t seed) {
   return o;
 }
 
-// Fake device addresses, far apart and 256-byte aligned; never dereferenced (supported() reads no
-// device memory and a refused launch throws first).
-template <typename T>
-T* fake_pointer(std::uintptr_t slot, std::uintptr_t byte_offset = 0) {
-  return reinterpret_cast<T*>((slot << 40) + byte_offset);
-}
+using kda::test::fake_pointer;
 
 // The seed-scale module's arguments: 3 x 1536 channels of the 4928-wide in_proj output, a pool
 // of 17 (lines, dim, 3) lines.

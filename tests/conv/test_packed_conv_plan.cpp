@@ -1,5 +1,6 @@
-// packed_causal_conv1d_supported() and the launcher's argument handling, on the CPU: every
-// reason is reported with a clear message, packed_causal_conv1d throws it as a kda::Error
+// The packed conv's plan (src/conv/packed_conv_plan.cpp) on the CPU:
+// packed_causal_conv1d_supported() and the launcher's argument handling: every reason is
+// reported with a clear message, packed_causal_conv1d throws it as a kda::Error
 // before touching CUDA, and the launch shape (vector width, chunk length, grid) is as
 // documented in conv/packed_conv.h.
 #include <doctest/doctest.h>
@@ -12,15 +13,11 @@
 #include "common/varlen_map.h"
 #include "kda/error.h"
 #include "kda/packed_conv.h"
+#include "support/fake_pointers.h"
 
 namespace {
 
-// Fake device addresses, 256-byte aligned and far apart. Nothing in these tests may
-// dereference them: supported() reads no device memory, and a failing launch throws first.
-template <typename T>
-T* fake_pointer(std::uintptr_t slot, std::uintptr_t byte_offset = 0) {
-  return reinterpret_cast<T*>((slot << 40) + byte_offset);
-}
+using kda::test::fake_pointer;
 
 // The seed-scale KDA conv: 3 x 1536 channels of the 4928-wide (in_proj_stride()) bf16 in_proj output.
 kda::PackedConvArgs kda_args() {

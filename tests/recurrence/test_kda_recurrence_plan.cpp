@@ -1,5 +1,6 @@
-// Argument checks of the recurrence and gated-RMSNorm launchers; host only, no device
-// memory is touched (the pointers are never dereferenced).
+// The recurrence's shared plan (src/recurrence/kda_recurrence_plan.cpp) on the CPU: the argument
+// checks of both launchers; host only, no device memory is touched (the pointers are never
+// dereferenced). kda_chunked's own plan is test_kda_chunked_plan.cpp's.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -7,18 +8,14 @@
 #include <string>
 
 #include "kda/error.h"
-#include "norm/gated_rmsnorm.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
 #include "recurrence/kda_recurrence_token.h"
+#include "support/fake_pointers.h"
 
 namespace {
 
-// Distinct, suitably aligned addresses that are never dereferenced.
-template <typename T>
-T* fake(uintptr_t slot) {
-  return reinterpret_cast<T*>(uintptr_t{1} << 20 | slot << 12);
-}
+using kda::test::fake;
 
 kda::RecurrenceArgs valid_recurrence_args() {
   kda::RecurrenceArgs a;
@@ -47,22 +44,6 @@ kda::RecurrenceArgs valid_recurrence_args() {
   a.state_stride_v = 1;
   a.o = fake<void>(12);
   a.o_row_stride = 384;
-  return a;
-}
-
-kda::GatedRmsNormArgs valid_rmsnorm_args() {
-  kda::GatedRmsNormArgs a;
-  a.num_heads = 3;
-  a.num_tokens = 100;
-  a.varlen.query_start_loc = fake<const int32_t>(1);
-  a.varlen.num_seqs = 8;
-  a.o = fake<const void>(2);
-  a.o_row_stride = 384;
-  a.g2 = fake<const void>(3);
-  a.g2_row_stride = 392;
-  a.weight = fake<const void>(4);
-  a.y = fake<void>(5);
-  a.y_row_stride = 384;
   return a;
 }
 
@@ -196,31 +177,6 @@ TEST_CASE("kda_recurrence_token_supported checks the state-checkpoint tables") {
   }
 }
 
-TEST_CASE("gated_rmsnorm_supported accepts well-formed arguments and names what is wrong") {
-  kda::GatedRmsNormArgs a = valid_rmsnorm_args();
-  std::string why;
-  REQUIRE(kda::gated_rmsnorm_supported(a, &why));
-
-  std::string expect;
-  SUBCASE("head_dim") { a.head_dim = 256; expect = "only 128"; }
-  SUBCASE("no heads") { a.num_heads = 0; expect = "num_heads 0"; }
-  SUBCASE("missing weight") { a.weight = nullptr; expect = "must be set"; }
-  SUBCASE("misaligned g2") { a.g2 = static_cast<const char*>(a.g2) + 4; expect = "8-byte aligned"; }
-  SUBCASE("y row stride below P") { a.y_row_stride = 256; expect = "y_row_stride 256"; }
-  SUBCASE("o row stride not a multiple of 4") { a.o_row_stride = 390; expect = "o_row_stride 390"; }
-  SUBCASE("eps zero") { a.eps = 0.0; expect = "eps 0"; }
-  SUBCASE("eps NaN") { a.eps = std::numeric_limits<double>::quiet_NaN(); expect = "positive and finite"; }
-  SUBCASE("no query_start_loc is fine") {
-    a.varlen.query_start_loc = nullptr;
-    CHECK(kda::gated_rmsnorm_supported(a, &why));
-    return;
-  }
-  CAPTURE(expect);
-  CHECK_FALSE(kda::gated_rmsnorm_supported(a, &why));
-  CHECK(why.find(expect) != std::string::npos);
-  CHECK_THROWS_WITH_AS(kda::gated_rmsnorm(a, nullptr), doctest::Contains(why.c_str()), kda::Error);
-}
-
 TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
   // Without a device a launch would fail; these return before any CUDA call.
   kda::RecurrenceArgs r = valid_recurrence_args();
@@ -229,7 +185,4 @@ TEST_CASE("launches with no tokens or no sequences enqueue nothing") {
   r = valid_recurrence_args();
   r.num_tokens = 0;
   CHECK_NOTHROW(kda::kda_recurrence_token(r, nullptr));
-  kda::GatedRmsNormArgs g = valid_rmsnorm_args();
-  g.num_tokens = 0;
-  CHECK_NOTHROW(kda::gated_rmsnorm(g, nullptr));
 }
