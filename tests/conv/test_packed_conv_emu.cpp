@@ -153,14 +153,14 @@ struct HostOps {
 struct Problem {
   DType dtype = DType::BF16;
   int64_t num_tokens = 0, dim = 0, part_dim = 0, x_row_stride = 0, out_plane_stride = 0;
-  int64_t num_cache_lines = 0, state_len = 3;
+  int64_t cache_lines = 0, state_len = 3;
   int64_t state_stride_line = 0, state_stride_dim = 0, state_stride_tap = 0;
   int64_t state_offset = 0;  // elements before line 0 (misaligns the state when odd)
-  bool state_bf16 = false;   // the pool holds bf16 (state_dtype BF16); `state` then holds its values
+  bool state_dtype_is_bf16 = false;  // the pool holds bf16 (state_dtype BF16); `state` then holds its values
   int64_t weight_stride_dim = 4, weight_stride_tap = 1;
   int64_t cache_stride = 1;
   bool silu = true, bias = false, flags = true;
-  std::optional<int32_t> null_block = 0;
+  std::optional<int32_t> null_line = 0;
   std::vector<int32_t> qsl, cache;
   std::vector<uint8_t> init;  // bool storage
   std::vector<uint32_t> x;    // raw elements, 16-bit values in the low half
@@ -205,7 +205,7 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
   a.bias = pr.bias ? pr.bias_v.data() : nullptr;
   a.conv_states = kda::state_elem_ptr(pool, pr.state_offset, bf16);
   a.state_dtype = bf16 ? DType::BF16 : DType::FP32;
-  a.varlen.cache_lines = pr.num_cache_lines;
+  a.varlen.cache_lines = pr.cache_lines;
   a.state_len = pr.state_len;
   a.state_stride_line = pr.state_stride_line;
   a.state_stride_dim = pr.state_stride_dim;
@@ -217,7 +217,7 @@ kda::PackedConvArgs args_for(const Problem& pr, const std::vector<char>& x_bytes
   a.varlen.has_initial_state = pr.flags ? reinterpret_cast<const bool*>(pr.init.data()) : nullptr;
   a.part_dim = pr.part_dim;
   a.silu = pr.silu;
-  a.varlen.null_line = pr.null_block;
+  a.varlen.null_line = pr.null_line;
   a.out = out.data();
   a.out_plane_stride = pr.out_plane_stride;
   return a;
@@ -296,8 +296,8 @@ void fill(Problem& pr, uint64_t seed) {
   pr.bias_v.resize(static_cast<std::size_t>(pr.dim));
   for (auto& b : pr.bias_v) b = normal(rng);
   const int64_t line_extent = (pr.dim - 1) * pr.state_stride_dim + (pr.state_len - 1) * pr.state_stride_tap + 1;
-  pr.state.resize(static_cast<std::size_t>(pr.state_offset + (pr.num_cache_lines - 1) * pr.state_stride_line + line_extent + 5));
-  for (auto& s : pr.state) s = pr.state_bf16 ? kda::host::bf16_round(normal(rng)) : normal(rng);
+  pr.state.resize(static_cast<std::size_t>(pr.state_offset + (pr.cache_lines - 1) * pr.state_stride_line + line_extent + 5));
+  for (auto& s : pr.state) s = pr.state_dtype_is_bf16 ? kda::host::bf16_round(normal(rng)) : normal(rng);
   const int64_t planes = pr.dim / pr.part_dim;
   const int64_t plane_stride = pr.out_plane_stride ? pr.out_plane_stride : pr.num_tokens * pr.part_dim;
   pr.out.assign(static_cast<std::size_t>(((planes - 1) * plane_stride + pr.num_tokens * pr.part_dim) * static_cast<int64_t>(pr.elem())), static_cast<char>(0xFF));  // NaN poison
@@ -335,7 +335,7 @@ Outcome compare(const Problem& pr, const kda::conv::ConvTuning& tuning) {
   std::vector<char> out_emu = pr.out, out_ref = pr.out;
 
   Outcome o;
-  if (!pr.state_bf16) {
+  if (!pr.state_dtype_is_bf16) {
     run_emulation(pr, tuning, x_bytes, state_emu.data(), false, range_of(state_emu), out_emu, o.bad_access);
     kda::reference::causal_conv1d(args_for(pr, x_bytes, state_ref.data(), false, out_ref),
                                   kda::reference::ConvMath::kStockFp32);
@@ -385,7 +385,7 @@ void awkward_batch(Problem& pr, int64_t lines) {
     pr.cache[static_cast<std::size_t>(s * pr.cache_stride)] = line;
   }
   REQUIRE(next_line <= lines);
-  pr.num_cache_lines = lines;
+  pr.cache_lines = lines;
   pr.init.assign(static_cast<std::size_t>(n), 0);
   for (int64_t s = 0; s < n; ++s) pr.init[static_cast<std::size_t>(s)] = (s % 3 != 1) ? 1 : 0;
 }
@@ -611,7 +611,7 @@ TEST_CASE("the emulated kernel with bf16 conv-state lines equals the reference a
         CAPTURE(layout);
         CAPTURE(vec);
         Problem pr = base_problem(DType::BF16);
-        pr.state_bf16 = true;
+        pr.state_dtype_is_bf16 = true;
         set_state_layout(pr, layout);
         fill(pr, 61 + vec);
         check_outcome(compare(pr, {vec, 16, 2}));
@@ -620,14 +620,14 @@ TEST_CASE("the emulated kernel with bf16 conv-state lines equals the reference a
   }
   SUBCASE("a pool one bf16 element past a 16-byte boundary, vec 8") {
     Problem pr = base_problem(DType::BF16);
-    pr.state_bf16 = true;
+    pr.state_dtype_is_bf16 = true;
     pr.state_offset = 1;
     fill(pr, 71);
     check_outcome(compare(pr, {8, 16, 4}));
   }
   SUBCASE("several chunk programs per CTA, bias, no flags, transposed pool") {
     Problem pr = base_problem(DType::BF16);
-    pr.state_bf16 = true;
+    pr.state_dtype_is_bf16 = true;
     pr.bias = true;
     pr.flags = false;
     set_state_layout(pr, "transposed");
@@ -667,7 +667,7 @@ TEST_CASE("the emulated kernel honours bias, SiLU, flags, null block and plane s
   SUBCASE("no SiLU, no bias") { pr.silu = false; }
   SUBCASE("no has_initial_state array") { pr.flags = false; }
   SUBCASE("no null block: line 0 is an ordinary line") {
-    pr.null_block.reset();
+    pr.null_line.reset();
     pr.cache[9] = 20;  // sequence 3 keeps line 0; two sequences on one line would be UB
   }
   SUBCASE("a strided cache_indices") {

@@ -135,7 +135,7 @@ struct Spec {
   // apart; 3: dense but 4 bytes past a 16-byte boundary. 1-3 take the staged walks.
   int weight_layout = 0;
   int64_t cache_stride = 1;
-  std::optional<int32_t> null_block = 0;
+  std::optional<int32_t> null_line = 0;
   bool null_init_flags = false;  // has_initial_state = nullptr
   int64_t seq_pad = 0, token_pad = 0;
   std::vector<int32_t> lens;
@@ -180,7 +180,7 @@ void store_x(HostProblem& hp, int64_t index, float v) {
 }
 
 bool is_skipped(const HostProblem& hp, int32_t line) {
-  if (hp.spec.null_block && line == *hp.spec.null_block) return true;
+  if (hp.spec.null_line && line == *hp.spec.null_line) return true;
   return line < 0 || line >= hp.lines;
 }
 
@@ -197,9 +197,9 @@ void fill_batch(Rng& rng, HostProblem& hp, const std::vector<int32_t>& lens) {
 
   std::vector<int32_t> free_lines;
   for (int32_t l = 0; l < hp.lines; ++l)
-    if (!(s.null_block && l == *s.null_block)) free_lines.push_back(l);
+    if (!(s.null_line && l == *s.null_line)) free_lines.push_back(l);
   rng.shuffle(free_lines);
-  const int32_t pad_line = s.null_block ? *s.null_block : -1;
+  const int32_t pad_line = s.null_line ? *s.null_line : -1;
   const int32_t oob[] = {-1, -2, static_cast<int32_t>(hp.lines), static_cast<int32_t>(hp.lines + 1),
                          std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
   hp.cache.assign(static_cast<std::size_t>(std::max<int64_t>(hp.seqs, 1) * s.cache_stride), 0x3FFFFFFF);
@@ -207,8 +207,8 @@ void fill_batch(Rng& rng, HostProblem& hp, const std::vector<int32_t>& lens) {
   for (int64_t i = 0; i < hp.seqs; ++i) {
     int32_t line = pad_line;
     if (i < real) {
-      if (s.null_block && rng.chance(s.null_frac))
-        line = *s.null_block;
+      if (s.null_line && rng.chance(s.null_frac))
+        line = *s.null_line;
       else if (rng.chance(s.oob_frac))
         line = oob[rng.below(6)];
       else if (!free_lines.empty()) {
@@ -299,7 +299,7 @@ PackedConvArgs make_args(const HostProblem& hp, const void* x, const float* weig
   a.varlen.has_initial_state = s.null_init_flags ? nullptr : init;
   a.part_dim = s.part_dim;
   a.silu = s.silu;
-  a.varlen.null_line = s.null_block;
+  a.varlen.null_line = s.null_line;
   a.out = static_cast<char*>(out) + s.out_offset * hp.esize();
   a.out_plane_stride = s.explicit_plane_stride ? hp.plane : 0;
   return a;
@@ -550,7 +550,7 @@ std::string describe(const HostProblem& hp) {
      << " pad " << s.line_pad << ", weights " << hp.weight_dim << "/" << hp.weight_tap << " +" << hp.weight_offset
      << (s.bias ? ", bias" : "") << (s.silu ? ", silu" : ", no silu")
      << ", cache stride " << s.cache_stride << ", null "
-     << (s.null_block ? std::to_string(*s.null_block) : std::string("none"))
+     << (s.null_line ? std::to_string(*s.null_line) : std::string("none"))
      << (s.null_init_flags ? ", no flags" : "");
   return os.str();
 }
@@ -716,7 +716,7 @@ TEST_CASE("the packed conv equals the stock path bit for bit over part_dim, dtyp
     s.bias = ((i / 3) + i) % 2 == 0;
     s.silu = i % 4 != 1;
     s.cache_stride = i % 3 == 1 ? 2 : 1;
-    s.null_block = i % 5 == 3 ? std::nullopt : std::optional<int32_t>(i % 5 == 4 ? 7 : 0);
+    s.null_line = i % 5 == 3 ? std::nullopt : std::optional<int32_t>(i % 5 == 4 ? 7 : 0);
     s.init_frac = init_fracs[i % 4];
     s.seq_pad = rng.range(0, 5);
     s.token_pad = rng.range(0, 300);
@@ -769,7 +769,7 @@ TEST_CASE("the packed conv equals the stock path on batch shapes at the edges") 
     s.part_dim = 128;
     s.parts = 2;
     s.cache_stride = 2;
-    s.null_block = std::nullopt;
+    s.null_line = std::nullopt;
     for (int i = 0; i < 300; ++i) s.lens.push_back(static_cast<int32_t>(rng.range(0, 70)));
   }
   SUBCASE("one sequence, no has_initial_state array") {
@@ -1058,7 +1058,7 @@ CheckpointPlan plan_checkpoints(Rng& rng, const HostProblem& hp, int64_t max_ent
   }
   std::vector<int32_t> free_lines;
   for (int32_t l = 0; l < hp.lines; ++l)
-    if (!named[static_cast<std::size_t>(l)] && !(hp.spec.null_block && l == *hp.spec.null_block))
+    if (!named[static_cast<std::size_t>(l)] && !(hp.spec.null_line && l == *hp.spec.null_line))
       free_lines.push_back(l);
   rng.shuffle(free_lines);
   const int64_t reserve = malformed ? 6 : 0;
@@ -1107,7 +1107,7 @@ CheckpointPlan plan_checkpoints(Rng& rng, const HostProblem& hp, int64_t max_ent
       if (!free_lines.empty()) add(take_line(), running, rows + 1);  // past the sequence's rows
       if (!free_lines.empty()) add(take_line(), running, 0);         // end 0
       add(static_cast<int32_t>(hp.lines), running, 1);               // line past the pool
-      if (hp.spec.null_block) add(*hp.spec.null_block, running, 1);  // the null line
+      if (hp.spec.null_line) add(*hp.spec.null_line, running, 1);  // the null line
     }
     if (skipped >= 0 && !free_lines.empty()) add(take_line(), skipped, 1);  // a skipped sequence
     if (!free_lines.empty()) add(take_line(), hp.seqs, 1);                  // seq past the capacity
@@ -1170,7 +1170,7 @@ std::vector<float> expected_checkpoint_pool(const HostProblem& hp, const DeviceI
                                             const CheckpointPlan& plan, const std::vector<float>& stock_states,
                                             cudaStream_t stream, int64_t* reference_bits) {
   std::vector<float> want = stock_states;
-  const int32_t skip_line = hp.spec.null_block ? *hp.spec.null_block : -1;
+  const int32_t skip_line = hp.spec.null_line ? *hp.spec.null_line : -1;
   const std::unique_ptr<bool[]> host_init = hp.init_bools();
   std::vector<std::vector<CheckpointEntry>> per_seq(static_cast<std::size_t>(hp.seqs));
   for (const CheckpointEntry& e : plan.valid) per_seq[static_cast<std::size_t>(e.seq)].push_back(e);
@@ -1322,7 +1322,7 @@ TEST_CASE("conv-state checkpoints then the packed conv: checkpoint lines are the
     s.state_len = 4;
     s.line_pad = 5;
     s.row_pad = 2;
-    s.null_block = std::nullopt;
+    s.null_line = std::nullopt;
     s.init_frac = 0.8;
     s.extra_lines = 160;
     s.seq_pad = 3;

@@ -43,7 +43,7 @@ struct HostConv {
   int64_t plane_stride = 0;  // 0: tokens * part_dim
   std::vector<unsigned char> out;
   bool silu = false;
-  std::optional<int32_t> null_block = 0;
+  std::optional<int32_t> null_line = 0;
 
   std::size_t esize() const { return dtype == DType::FP32 ? 4 : 2; }
   int64_t planes() const { return dim / part_dim; }
@@ -106,7 +106,7 @@ struct HostConv {
     a.varlen.has_initial_state = init.get();
     a.part_dim = part_dim;
     a.silu = silu;
-    a.varlen.null_line = null_block;
+    a.varlen.null_line = null_line;
     a.out = out.data();
     a.out_plane_stride = plane_stride;
     return a;
@@ -219,7 +219,7 @@ TEST_CASE("the reference writes nothing for skipped sequences and rows past the 
   h.weight = {1, 10, 100, 1000, 1000, 100, 10, 1};
   h.cache_stride = 2;
   SUBCASE("null line, negative line and a line past the pool are skipped") {
-    // Sequences 1 (null line 0), 2 (-1) and 3 (7 = num_cache_lines) are skipped.
+    // Sequences 1 (null line 0), 2 (-1) and 3 (7 = cache_lines) are skipped.
     h.batch({0, 0, 1, 3, 6, 10}, {1, 0, -1, 7, 5}, {true, true, false, true, false});
     h.poison_out();
     const std::vector<float> before = h.states;
@@ -241,7 +241,7 @@ TEST_CASE("the reference writes nothing for skipped sequences and rows past the 
         }
   }
   SUBCASE("without a null block id, line 0 is an ordinary line") {
-    h.null_block = std::nullopt;
+    h.null_line = std::nullopt;
     h.batch({0, 0, 1, 3, 6, 10}, {1, 0, -1, 7, 5}, {true, false, false, true, false});
     h.poison_out();
     kda::reference::causal_conv1d(h.args());
@@ -306,7 +306,7 @@ TEST_CASE("the reference applies SiLU after the bias and the taps") {
   h.bias = {0.0f, -1.0f};
   h.make_states(1, 3, false, 0.0f);
   h.batch({0, 4}, {0}, {false});
-  h.null_block = std::nullopt;
+  h.null_line = std::nullopt;
   h.silu = true;
   for (ConvMath math : {ConvMath::kStockFp32, ConvMath::kFloat64}) {
     CAPTURE(static_cast<int>(math));
@@ -329,7 +329,7 @@ TEST_CASE("the reference applies SiLU after the bias and the taps") {
     g.weight = {0.1f, -0.7f, 0.33f, 1.9f};
     g.make_states(1, 3, false, 0.0f);
     g.batch({0, 5}, {0}, {false});
-    g.null_block = std::nullopt;
+    g.null_line = std::nullopt;
     g.silu = true;
     g.poison_out();
     kda::reference::causal_conv1d(g.args(), ConvMath::kStockFp32);
@@ -366,7 +366,7 @@ TEST_CASE("the reference rounds outputs to bf16 and fp16 to nearest even") {
     }
     h.make_states(1, 3, false, 0.0f);
     h.batch({0, 1}, {0}, {false});
-    h.null_block = std::nullopt;
+    h.null_line = std::nullopt;
     h.poison_out();
     kda::reference::causal_conv1d(h.args());
     for (int64_t c = 0; c < n; ++c)
