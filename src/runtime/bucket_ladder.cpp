@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -367,8 +369,11 @@ TokenHistogram parse_token_histogram(const std::string& text, const std::string&
 }
 
 TokenHistogram load_token_histogram(const std::string& path, int64_t max_tokens) {
+  errno = 0;
   std::ifstream file(path, std::ios::binary);
-  KDA_CHECK(file.good(), kLoad, path, ": cannot open the histogram");
+  const int open_errno = errno;
+  KDA_CHECK(file.good(), kLoad, path, ": cannot open the histogram",
+            open_errno ? std::string(": ") + std::strerror(open_errno) : std::string());
   std::ostringstream text;
   text << file.rdbuf();
   KDA_CHECK(!file.bad(), kLoad, path, ": cannot read the histogram");

@@ -182,7 +182,7 @@ TEST_CASE("a bad line of a histogram file is reported by its path and line") {
 TEST_CASE("a missing histogram file is reported by its path") {
   CHECK(error_of([] { kda::detail::load_token_histogram("/nonexistent/traffic.csv"); },
                  "kda::detail::load_token_histogram") ==
-        "/nonexistent/traffic.csv: cannot open the histogram");
+        "/nonexistent/traffic.csv: cannot open the histogram: No such file or directory");
 }
 
 TEST_CASE("the padded share of batches within the largest bucket counts each batch's round-up") {
