@@ -2,7 +2,7 @@
 // of a forward (what begin_forward does before its one copy), with and without state
 // checkpoints, and the bucket-ladder search over a large histogram. Medians of repeated calls.
 //   bench_host [--quick] [--out FILE]
-// Prints a Markdown table (and writes it to FILE with --out). Needs no GPU. Exits 2 on a bad
+// Prints a Markdown table (and writes it to FILE with --out). Needs no GPU. Exits 1 on a bad
 // argument, 0 otherwise.
 #include <algorithm>
 #include <chrono>
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "kda/config.h"
 #include "kda/prefill.h"
 #include "runtime/batch_plan.h"
@@ -102,20 +103,17 @@ double stage_us(const kda::Config& config, const kda::BatchView& batch, int iter
 int main(int argc, char** argv) {
   bool quick = false;
   const char* out_path = nullptr;
+  constexpr const char* kArgs = "[--quick] [--out FILE]";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") {
       quick = true;
     } else if (a == "--out" && i + 1 < argc) {
       out_path = argv[++i];
-    } else if (a == "-h" || a == "--help") {
-      std::printf("usage: bench_host [--quick] [--out FILE]\n"
-                  "  --quick     fewer repetitions\n"
-                  "  --out FILE  also write the Markdown table to FILE\n");
-      return 0;
+    } else if (kda::bench::is_help(argv[i])) {
+      kda::bench::usage_exit(argv[0], kArgs);
     } else {
-      std::fprintf(stderr, "bench_host: unknown argument \"%s\"\nusage: bench_host [--quick] [--out FILE]\n", a.c_str());
-      return 2;
+      kda::bench::usage_exit(argv[0], kArgs, argv[i]);
     }
   }
   const int scale = quick ? 10 : 1;
