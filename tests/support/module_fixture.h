@@ -184,7 +184,28 @@ inline std::vector<unsigned char> rec_pool(PrefillModule& m, int layer, cudaStre
   return download(m.recurrent_state_pool(layer), dims(m.config()).rec_pool_bytes(m.config().pools.cache_lines), s);
 }
 
-// Planes (rows [0, T)) and all pools of two modules, bitwise.
+// Differing bits of the layer output's rows [0, T) of two modules (every layer writes the same
+// output buffer: the last one's). With `batch`, only the rows of its sequences that ran (a
+// skipped sequence's rows are unspecified); *first_row gets the first differing row, or -1.
+inline int64_t output_rows_diff_bits(PrefillModule& a, PrefillModule& b, int64_t T, const HostBatch* batch,
+                                     cudaStream_t s, int64_t* first_row = nullptr) {
+  const std::size_t row = static_cast<std::size_t>(a.config().model.hidden_size) * 2;
+  const auto oa = download(a.output(), T * row, s), ob = download(b.output(), T * row, s);
+  const int32_t null_line = a.config().pools.null_line;
+  int64_t bits = 0, first = -1;
+  for (int64_t seq = 0; seq < (batch ? batch->num_seqs() : 1); ++seq) {
+    if (batch && batch->lines[seq] == null_line) continue;
+    const int64_t r0 = batch ? batch->qsl[seq] : 0, r1 = batch ? batch->qsl[seq + 1] : T;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t row_bits = diff_bits(oa.data() + r * row, ob.data() + r * row, row);
+      if (row_bits && first < 0) first = r;
+      bits += row_bits;
+    }
+  }
+  if (first_row) *first_row = first;
+  return bits;
+}
+
 // Differing bits between two modules after the same batch: planes (rows [0, T)), conv pools,
 // recurrent pools (with_recurrent) and, for the full layer, the output rows of the sequences
 // that ran. Output rows of skipped sequences are unspecified (the recurrence writes no o row
@@ -210,24 +231,8 @@ inline int64_t module_diff_bits(PrefillModule& a, PrefillModule& b, int64_t T, c
     }
   }
   if (a.config().runtime.layer_steps == kda::LayerSteps::Full) {
-    // The layer output's rows (every layer writes the same output buffer: the last one's).
-    const int64_t D = a.config().model.hidden_size;
-    const std::size_t out_bytes = static_cast<std::size_t>(T * D) * 2;
-    std::vector<unsigned char> oa(out_bytes), ob(out_bytes);
-    KDA_TEST_CUDA(cudaMemcpyAsync(oa.data(), a.output(), out_bytes, cudaMemcpyDeviceToHost, s));
-    KDA_TEST_CUDA(cudaMemcpyAsync(ob.data(), b.output(), out_bytes, cudaMemcpyDeviceToHost, s));
-    KDA_TEST_CUDA(cudaStreamSynchronize(s));
-    const int32_t null_line = a.config().pools.null_line;
-    int64_t bits = 0, first_row = -1;
-    for (int64_t seq = 0; seq < (batch ? batch->num_seqs() : 1); ++seq) {
-      if (batch && batch->lines[seq] == null_line) continue;
-      const int64_t r0 = batch ? batch->qsl[seq] : 0, r1 = batch ? batch->qsl[seq + 1] : T;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t row_bits = diff_bits(oa.data() + r * D * 2, ob.data() + r * D * 2, D * 2);
-        if (row_bits && first_row < 0) first_row = r;
-        bits += row_bits;
-      }
-    }
+    int64_t first_row = -1;
+    const int64_t bits = output_rows_diff_bits(a, b, T, batch, s, &first_row);
     add("output (first differing row " + std::to_string(first_row) + ")", bits);
   }
   if (total) MESSAGE("differing bits by component: ", parts);
@@ -249,14 +254,7 @@ inline int64_t batch_diff_bits(PrefillModule& a, PrefillModule& b, const HostBat
       bits += diff_bits(ra.data() + line * rec_line, rb.data() + line * rec_line, rec_line);
     }
   }
-  if (c.runtime.layer_steps == kda::LayerSteps::Full) {
-    const std::size_t row = static_cast<std::size_t>(d.D) * 2;
-    const auto oa = download(a.output(), batch.tokens() * row, s), ob = download(b.output(), batch.tokens() * row, s);
-    for (int64_t q = 0; q < batch.num_seqs(); ++q)
-      if (batch.lines[q] != c.pools.null_line)
-        bits += diff_bits(oa.data() + batch.qsl[q] * row, ob.data() + batch.qsl[q] * row,
-                          (batch.qsl[q + 1] - batch.qsl[q]) * row);
-  }
+  if (c.runtime.layer_steps == kda::LayerSteps::Full) bits += output_rows_diff_bits(a, b, batch.tokens(), &batch, s);
   return bits;
 }
 
