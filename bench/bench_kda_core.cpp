@@ -204,6 +204,13 @@ int main(int argc, char** argv) {
     cases.push_back({"H 12, 4 x 512", 12, std::vector<int32_t>(4, 512)});
     cases.push_back({"H 32, 1 x 16384", 32, {16384}});
     cases.push_back({"H 4, 1 x 65536", 4, {65536}});
+    cases.push_back({"H 96, 1 x 8192", 96, {8192}});
+    cases.push_back({"H 32, 16 x 1024", 32, std::vector<int32_t>(16, 1024)});
+    for (int64_t heads : {16, 32}) {
+      const std::string h = "H " + std::to_string(heads);
+      cases.push_back({h + ", 8 x 2048", heads, std::vector<int32_t>(8, 2048)});
+      cases.push_back({h + ", 64 x 256", heads, std::vector<int32_t>(64, 256)});
+    }
   }
   if (!only.empty())
     cases.erase(std::remove_if(cases.begin(), cases.end(),
@@ -233,7 +240,7 @@ int main(int argc, char** argv) {
              "update, fp16 m16n8k16): 0.79 Mflop in phase 1 and 6.9 Mflop in phase 2 per (64-token "
              "chunk, head); the bf16 ceiling is quoted. DRAM bytes are "
              "compulsory traffic: planes, b, states, o, and the 90624-byte chunk records written "
-             "by phase 1 and read once by phase 2 (the 4 value slices of a head re-read the shared "
+             "by phase 1 and read once by phase 2 (the value slices of a head re-read the shared "
              "tiles from L2).\n";
     kda::bench::emit(table.str(), out_path);
     cudaStreamDestroy(stream);

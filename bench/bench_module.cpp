@@ -1,10 +1,12 @@
 // Module benchmark: per config and token bucket, graph replay vs eager launches of the same steps
 // (GPU time from events, wall time per forward) and host time per run(). One batch per bucket:
-// 4 equal sequences filling the bucket, continuing from their states (has_initial_state); then
-// the per-step GPU time of one whole layer (profile_steps) at layer-scale shapes.
+// equal sequences (4, or --seqs) filling the bucket, continuing from their states
+// (has_initial_state); then the per-step GPU time of one whole layer (profile_steps) at
+// layer-scale shapes.
 //
-//   bench_module [--config FILE]... [--iters N] [--steps-only] [--out FILE] [--help]
+//   bench_module [--config FILE]... [--iters N] [--seqs N] [--steps-only] [--out FILE] [--help]
 //
+// --seqs N: equal sequences per batch (default 4; at most the bucket and runtime.max_seqs).
 // --steps-only: the per-step table alone. Prints markdown tables (and writes them to FILE with
 // --out). Exits 0 after --help, 2 without a usable GPU, 1 on an error or a bad option, else 0.
 #include <cuda_runtime_api.h>
@@ -55,7 +57,9 @@ struct EqualBatch {
   EqualBatch(int64_t tokens, int64_t n, const kda::Config& cfg) {
     for (int64_t i = 0; i < n; ++i) {
       qsl.push_back(static_cast<int32_t>(tokens * (i + 1) / n));
-      lines.push_back(static_cast<int32_t>(i + 1 == cfg.pools.null_line ? i + 2 : i + 1));
+      // Lines 1, 2, ... with the null line skipped, so every sequence has its own.
+      const int64_t line = i + 1 >= cfg.pools.null_line && cfg.pools.null_line >= 1 ? i + 2 : i + 1;
+      lines.push_back(static_cast<int32_t>(line));
       flags.push_back(1);
     }
   }
@@ -132,8 +136,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> configs;
   std::string out_path;
   int iters = 50;
+  int64_t batch_seqs = 4;
   bool steps_only = false;
-  constexpr const char* kArgs = "[--config FILE]... [--iters N] [--steps-only] [--out FILE] [--help]";
+  constexpr const char* kArgs =
+      "[--config FILE]... [--iters N] [--seqs N] [--steps-only] [--out FILE] [--help]";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (kda::bench::is_help(argv[i])) kda::bench::usage_exit(argv[0], kArgs);
@@ -141,6 +147,7 @@ int main(int argc, char** argv) {
     else if (a == "--config" && i + 1 < argc) configs.push_back(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--seqs" && i + 1 < argc) batch_seqs = std::max(1, std::atoi(argv[++i]));
     else kda::bench::usage_exit(argv[0], kArgs, argv[i]);
   }
   // tiny.yaml: a layer small enough that launches, not GPU work, bound the eager path, which
@@ -165,7 +172,7 @@ int main(int argc, char** argv) {
       m.init_random_weights(7);
       upload_random_hidden(m, 99);
       for (int64_t bucket : cfg.runtime.token_buckets) {
-        const int64_t seqs = std::min<int64_t>({4, bucket, cfg.runtime.max_seqs});
+        const int64_t seqs = std::min<int64_t>({batch_seqs, bucket, cfg.runtime.max_seqs});
         const EqualBatch eb(bucket, seqs, cfg);
         const kda::BatchView b = eb.view();
 
