@@ -3,11 +3,11 @@
 // shared-memory opt-in, then the launches of the kernels of kda_chunked_kernel.cuh.
 //
 // Launches: phase 1 grid (chunk slots, H) x 256 threads, 111 KB of shared memory (two blocks
-// per SM); phase 2 grid (segment slots, H, 4) x 128 threads, 151 KB of shared memory (the two
-// record stages and the exchange of S0 and U fragments), with segment slots = num_seqs when
-// sequences stay whole; when they are cut, pass 1 has z = 8 (the summaries' two roles), then
-// the scan (num_seqs, H, 4) x 256 threads, 80 KB, and pass 3. All grids depend on capacities
-// only (CUDA graph safe).
+// per SM); phase 2 grid (2 num_seqs, H) x 256 threads, 181 KB of shared memory (the two record
+// stages and the exchange of S0 and U fragments); when sequences are cut, pass 1 adds 4 blocks
+// per segment window (the summaries' two roles), then the scan (segment windows, H, 4) x 256
+// threads, 80 KB, and pass 3 (2 per segment window, H). All grids depend on capacities only
+// (CUDA graph safe).
 // Only sm_80+ instructions are used (mma.sync m16n8k16 bf16 / fp16, ldmatrix (.trans),
 // cp.async, named barriers), identical in the sm_90a SASS and the compute_90
 // PTX, so no __CUDA_ARCH_FEAT_SM90_ALL guard is needed.
@@ -142,17 +142,17 @@ void kda_chunked(const RecurrenceArgs& a, void* workspace, std::size_t workspace
   if (state) {
     // Pass 1; when sequences are cut, the scan (pass 2) and pass 3.
     const bool cut = chunked::segmented(p);
-    const auto slots = static_cast<unsigned>(p.seg_slots);
     const auto heads = static_cast<unsigned>(p.num_heads);
-    const dim3 pass1(slots, heads, (cut ? 2 : 1) * StateTraits::kSlices);
-    kda_chunk_state_kernel<<<pass1, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 1);
+    const auto walk_grid = [&](int pass) {
+      return dim3(static_cast<unsigned>(chunked::state_grid_blocks(p, pass)), heads);
+    };
+    kda_chunk_state_kernel<<<walk_grid(1), StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 1);
     KDA_CUDA_CHECK(kFunction, cudaGetLastError());
     if (cut) {
-      const dim3 scan(static_cast<unsigned>(p.num_seqs), heads, StateTraits::kSlices);
+      const dim3 scan(static_cast<unsigned>(chunked::segment_windows(p)), heads, ScanTraits::kSlices);
       kda_chunk_scan_kernel<<<scan, ScanTraits::kThreads, ScanTraits::kSmemBytes, stream>>>(p);
       KDA_CUDA_CHECK(kFunction, cudaGetLastError());
-      const dim3 pass3(slots, heads, StateTraits::kSlices);
-      kda_chunk_state_kernel<<<pass3, StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 3);
+      kda_chunk_state_kernel<<<walk_grid(3), StateTraits::kThreads, StateTraits::kSmemBytes, stream>>>(p, 3);
       KDA_CUDA_CHECK(kFunction, cudaGetLastError());
     }
   }

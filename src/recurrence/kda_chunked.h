@@ -10,7 +10,7 @@
 //      log decay inside the chunk, A = strictly lower (beta_j k_i.k_j decayed), the solve of
 //      (I + A) [W | Uv] = [k * exp(Gam) | v] (blocked, tf32 tensor cores), and the products
 //      that need no state. It writes one record per (chunk slot, head) to the workspace.
-//   2. state, one block per (sequence, head, 32-column value slice): carries the state across
+//   2. state, one block per (sequence, head, 64-column value slice): carries the state across
 //      the sequence's chunks in registers (fp32), O on bf16 and the state update on fp16
 //      tensor cores (rows of U scaled into fp16's range), with a state warp and an output
 //      warp per 16 value rows. The sequence's state checkpoints (RecurrenceArgs) are
@@ -90,6 +90,9 @@ namespace kda::recurrence {
 
 // Bytes of one (chunk slot, head) record of kda_chunked (chunked::Record::kBytes).
 constexpr std::size_t kRecordBytes = 90624;
+// Phase-2 blocks per (sequence or segment, head, walk role): value slices of 64 columns
+// (chunked::StateTraits::kSlices), one block per SM; the segment cost model counts them.
+constexpr int kStateSlices = 2;
 // The shortest segment auto_segment_tokens picks: 16 chunks.
 constexpr int64_t kMinAutoSegmentTokens = 16 * kKdaChunk;
 

@@ -32,8 +32,8 @@
 // X_I^T = (R_I^T - sum_{J<I} X_J^T A_IJ^T) (L_II^-1)^T per 16-token block I, the A operands
 // being its own accumulators (phase 2's k permutation), the B operands 8-byte pairs of A and
 // of the four diagonal blocks' inverses L_II^-1 - I (fp32, on CUDA cores, once per block).
-// Phase 2 (state_block, at the end of this file): one block of 4 warps per (sequence, head,
-// value slice of 32 columns), walking the sequence's chunks in order with the chunk records
+// Phase 2 (state_block, at the end of this file): one block of 8 warps per (sequence, head,
+// value slice of 64 columns), walking the sequence's chunks in order with the chunk records
 // double-buffered in shared memory (cp.async). Per 16 value rows a state warp holds the
 // transposed state S^T (16 value rows x 128 key channels, fp32) in mma accumulator registers
 // and computes U and the state update; an output warp computes O and writes o from the state
@@ -978,13 +978,13 @@ KDA_UNROLL
 // ---------------------------------------------------------------------------------------------
 // Phase 2.
 //
-// Per value tile (16 value rows) of a block, two warps on their own schedulers, the same
-// records and stages:
-//   state warp (warps 0, 1 = value tile vt): S^T in registers; per chunk it packs
+// Per value tile (16 value rows) of a block, two warps (vt and vt + 4, which share a warp
+// scheduler: warp id mod 4), the same records and stages:
+//   state warp (warps 0 .. 3 = value tile vt): S^T in registers; per chunk it packs
 //     sf = bf16(S0^T) and publishes it, computes U^T = Uv^T - S0^T W^T, publishes
 //     uf = bf16(U^T), and updates the state. Its chain per chunk is the recurrence's critical
 //     path, so it carries nothing that the next chunk does not need.
-//   output warp (warps 2, 3 = value tile vt - 2): per chunk, O^T = S0^T Qt^T from the
+//   output warp (warps 4 .. 7 = value tile vt - 4): per chunk, O^T = S0^T Qt^T from the
 //     published sf, then O^T += U^T M'^T from the published uf, and the o rows; the output
 //     warps also copy the records into the stages.
 //
@@ -994,9 +994,9 @@ KDA_UNROLL
 // / consumer pair on a named barrier of the tile's two warps (64 threads): the state warp
 // arrives (bar.arrive: it never waits for the output warp inside a chunk), the output warp
 // syncs (bar.sync), so the state warp's stores are visible to it past the barrier. sf uses
-// barrier 1 + vt, uf barrier 3 + vt, ids spelled as constants (ptxas reserves 5 barriers). They
-// must be distinct: with one id the state warp's two arrivals of a chunk could complete a
-// generation on their own.
+// barrier 1 + vt, uf barrier 5 + vt (sf_barrier, uf_barrier), ids spelled as constants
+// (pair_barrier; ptxas reserves 9 barriers). They must be distinct: with one id the state
+// warp's two arrivals of a chunk could complete a generation on their own.
 // Reuse of the slots and of the barriers across chunks is ordered by the block barrier of
 // enter_chunk: the state warp writes chunk n + 1's sf (and arrives again) only after chunk
 // n + 1's block barrier, which the output warp reaches only after it has read chunk n's sf and
@@ -1007,7 +1007,9 @@ KDA_UNROLL
 // synccheck on the GPU is the check the emulation cannot make).
 
 struct StateTraits {
-  static constexpr int kValueTiles = 2;                      // 16-row value tiles per block
+  // 16-row value tiles per block: 4 (64 value columns, 2 blocks per head) halves the L2 reads
+  // of the tiles a head's blocks share against 2 (4 blocks per head) and puts 8 warps on an SM.
+  static constexpr int kValueTiles = 4;
   static constexpr int kWarps = 2 * kValueTiles;             // a state and an output warp per tile
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowsPerWarp = 16;                    // value rows of S^T per tile (m16)
@@ -1038,9 +1040,10 @@ struct StateTraits {
   static_assert(kStageBytes % 16 == 0 && kXchg % 16 == 0 && kSmemBytes <= 227 * 1024,
                 "stage and exchange layout");
   static_assert(kHeadDim % kColumns == 0, "value slices must tile the head");
-  static_assert(kSlices == recurrence::kTokenSlices,
-                "phase 2's grid has 4 slices per head, as kda_recurrence_token's");
-  static_assert(kValueTiles == 2, "the exchange names barriers 1 .. 4, two per value tile");
+  static_assert(kSlices == recurrence::kStateSlices,
+                "kda_chunked_plan's cost model counts recurrence::kStateSlices blocks per head");
+  // Barrier 0 is the block barrier; tile vt publishes sf on 1 + vt and uf on 1 + kValueTiles + vt.
+  static_assert(1 + 2 * kValueTiles <= 16, "two named barriers per value tile");
 };
 
 // 2^k, k = clamp(14 - floor(log2 m), -100, 40), for m >= 0: m 2^k lies in [2^14, 2^15), under
@@ -1162,7 +1165,7 @@ KDA_UNROLL
 enum class StageParts { All, State, Transition };
 
 // Copies this block's part of chunk record `rec` into the stage at shared address `stage`:
-// W, Qt, Kb', M', the block's 32 rows of UvT and gamma (less for the summary walks, `parts`),
+// W, Qt, Kb', M', the block's kColumns rows of UvT and gamma (less for the summary walks, `parts`),
 // by kThreads threads (thread index tid).
 KDA_OPS_BODY
 template <int kThreads, class Ops>
@@ -1457,6 +1460,37 @@ KDA_UNROLL
   }
 }
 
+// The pair barriers of value tile vt ("Publishing" in the comment that opens phase 2):
+// sf on 1 + vt, uf on 1 + kValueTiles + vt. pair_arrive / pair_sync issue the barrier with its
+// id as a literal (one branch per id, warp-uniform): ptxas reserves only the ids a kernel
+// names, where an id in a register makes it reserve all 16.
+__host__ __device__ __forceinline__ constexpr int sf_barrier(int vt) { return 1 + vt; }
+__host__ __device__ __forceinline__ constexpr int uf_barrier(int vt) {
+  return 1 + StateTraits::kValueTiles + vt;
+}
+KDA_OPS_BODY
+template <int kId = 1, class Ops>
+__host__ __device__ __forceinline__ void pair_barrier(Ops& ops, int id, bool arrive) {
+  if constexpr (kId <= 2 * StateTraits::kValueTiles) {
+    if (id == kId) {
+      if (arrive) ops.named_arrive(kId, StateTraits::kPairThreads);
+      else ops.named_sync(kId, StateTraits::kPairThreads);
+      return;
+    }
+    pair_barrier<kId + 1>(ops, id, arrive);
+  }
+}
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void pair_arrive(Ops& ops, int id) {
+  pair_barrier(ops, id, true);
+}
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ void pair_sync(Ops& ops, int id) {
+  pair_barrier(ops, id, false);
+}
+
 // The state warp of value tile vt: holds S^T (16 value rows x 128 keys); in the Full role it
 // publishes sf and uf for the output warp. `xchg` is the lane's word of slot 0 of the tile's
 // exchange.
@@ -1508,8 +1542,7 @@ KDA_UNROLL
       for (int kk = 0; kk < S::kSfSlots; ++kk)
         st_as<uint4>(xchg + kk * S::kSlotBytes,
                      make_uint4(sf[kk][0], sf[kk][1], sf[kk][2], sf[kk][3]));
-      if (vt == 0) ops.named_arrive(1, S::kPairThreads);
-      else ops.named_arrive(2, S::kPairThreads);
+      pair_arrive(ops, sf_barrier(vt));
     }
 
     // ua = -U^T = S0^T W^T - Uv^T (Uv = 0 for the transition), then U^T.
@@ -1535,7 +1568,7 @@ KDA_UNROLL
 KDA_UNROLL
       for (int r = 0; r < 4; ++r) ua[nt][r] = -ua[nt][r];
 
-    // uf, published for O += U^T M'^T (barrier 3 + vt).
+    // uf, published for O += U^T M'^T (uf_barrier(vt)).
     if (full) {
       uint32_t uf[kChunk / 16][4];
       pack_u_bf16(ua, uf);
@@ -1543,8 +1576,7 @@ KDA_UNROLL
       for (int kq = 0; kq < S::kUfSlots; ++kq)
         st_as<uint4>(xchg_uf + kq * S::kSlotBytes,
                      make_uint4(uf[kq][0], uf[kq][1], uf[kq][2], uf[kq][3]));
-      if (vt == 0) ops.named_arrive(3, S::kPairThreads);
-      else ops.named_arrive(4, S::kPairThreads);
+      pair_arrive(ops, uf_barrier(vt));
     }
 
     // S^T = S0^T diag(gamma) + U^T Kb'.
@@ -1604,8 +1636,7 @@ KDA_UNROLL_1
     float oa[kChunk / 8][4];
 KDA_UNROLL
     for (int nt = 0; nt < kChunk / 8; ++nt) oa[nt][0] = oa[nt][1] = oa[nt][2] = oa[nt][3] = 0.0f;
-    if (vt == 0) ops.named_sync(1, S::kPairThreads);
-    else ops.named_sync(2, S::kPairThreads);
+    pair_sync(ops, sf_barrier(vt));
 KDA_UNROLL
     for (int kk = 0; kk < S::kSfSlots; ++kk) {
       const uint4 w = ld_as<uint4>(xchg + kk * S::kSlotBytes);
@@ -1620,8 +1651,7 @@ KDA_UNROLL
     }
 
     // oa += U^T M'^T, then the o rows.
-    if (vt == 0) ops.named_sync(3, S::kPairThreads);
-    else ops.named_sync(4, S::kPairThreads);
+    pair_sync(ops, uf_barrier(vt));
     uint32_t uf[kChunk / 16][4];
 KDA_UNROLL
     for (int kq = 0; kq < S::kUfSlots; ++kq) {
@@ -1636,48 +1666,93 @@ KDA_UNROLL
   }
 }
 
-// Which walk block (slot, z) of phase-2 pass `pass` runs (false: none). Pass 1 grid
-// (seg_slots, H, 8 when segmented, else 4), pass 3 grid (seg_slots, H, 4), z = role and value
-// slice (docs/design.md, "Segments"):
-//   pass 1: segment 0: Full on slices z < 4; segments 1 .. nseg - 2: Summary (z < 4) and
-//           Transition (z >= 4) on slice z % 4; the last segment: nothing;
-//   pass 3: segments >= 1: Full on slice z.
-// The sequence of a slot: the radix search over the segment map (every lane of the calling
-// warp calls it), or slot = sequence when the op does not segment. Depends on the block's
-// indices and metadata only, so every warp of the block gets the same answer.
+// Segment windows: rows [r L, (r + 1) L) of the batch, L = the segment length. The segments
+// after a sequence's first start at least L rows apart (a sequence's own L apart; a later
+// sequence's second one L rows past its first row, which lies past every row of the sequences
+// before it), so a window holds the start of at most one of them, that of the sequence holding
+// row r L. The summary walks of pass 1, the scan and pass 3 run per window (value slice, role)
+// rather than per segment slot: ceil(num_tokens / L) windows against num_tokens / L +
+// num_seqs slots, so the sequences a batch leaves empty (a graph's max_seqs capacity) launch
+// no blocks there.
+__host__ __device__ __forceinline__ int64_t segment_windows(const RecurrenceParams& p) {
+  const int shift = kChunkShift + p.seg_chunk_shift;
+  return (p.num_tokens + (int64_t{1} << shift) - 1) >> shift;
+}
+
+// The segment after the first that starts in window r, as (seq, seg >= 1) with its walk;
+// false when the window holds none. Every lane of the calling warp calls it (the radix search
+// over query_start_loc). Only a segment's own window finds it: seg = ceil((r L - bos) / L)
+// puts its first row in [r L, (r + 1) L), also for malformed metadata.
+KDA_OPS_BODY
+template <class Ops>
+__host__ __device__ __forceinline__ bool window_segment(Ops& ops, const RecurrenceParams& p,
+                                                        int64_t r, int lane, int64_t& seq,
+                                                        int64_t& seg, StateWalk& walk) {
+  const int shift = kChunkShift + p.seg_chunk_shift;
+  const int64_t row = r << shift;
+  seq = ops.locate_row(p, row, lane);
+  if (seq < 0 || seq >= p.num_seqs || !state_walk(p, seq, walk)) return false;
+  if (row < walk.span.bos || row >= walk.span.eos) return false;
+  seg = (row - walk.span.bos + (int64_t{1} << shift) - 1) >> shift;
+  return seg >= 1 && seg < segment_count(p, walk.nchunks);
+}
+
+// The blocks along x of phase-2 pass `pass` (per head, gridDim.y): s = StateTraits::kSlices
+// per sequence (segment 0, Full); when sequences are cut, pass 1 adds 2 s per segment window
+// (Summary, Transition) and pass 3 has s per window (Full).
+__host__ __device__ __forceinline__ int64_t state_grid_blocks(const RecurrenceParams& p, int pass) {
+  constexpr int s = StateTraits::kSlices;
+  if (!segmented(p)) return p.num_seqs * s;
+  return pass == 1 ? p.num_seqs * s + segment_windows(p) * 2 * s : segment_windows(p) * s;
+}
+
+// Which walk block x (< state_grid_blocks) of phase-2 pass `pass` runs (false: none), with
+// s = StateTraits::kSlices (2) and z the block's place among its neighbours of one sequence or
+// window (docs/design.md, "Segments"):
+//   pass 1, x < num_seqs s: sequence x / s, segment 0, Full on slice z = x % s;
+//   pass 1, later x: window w = (x - num_seqs s) / 2 s, z = its remainder: the window's
+//           segment, if not the sequence's last: Summary (z < s) or Transition (z >= s) on
+//           slice z % s;
+//   pass 3: window x / s, Full on slice z = x % s.
+// A block's neighbours share its chunk records and run at the same time, so each record is
+// read from DRAM once (a record is 90 KB; slices laid a wave or more apart read it once each).
+// Depends on the block's indices and metadata only, so every warp of the block gets the same
+// answer.
 KDA_OPS_BODY
 template <class Ops>
 __host__ __device__ __forceinline__ bool block_walk(Ops& ops, const RecurrenceParams& p, int pass,
-                                                    int64_t slot, int z, int lane, BlockWalk& bw) {
-  const int seg_shift = kChunkShift + p.seg_chunk_shift;
-  const int64_t seq = segmented(p) ? ops.locate_sequence(p, slot, lane, seg_shift) : slot;
-  if (seq < 0 || seq >= p.num_seqs) return false;
-  if (!state_walk(p, seq, bw.walk)) return false;
-  bw.seq = seq;
-  bw.slot = slot;
+                                                    int64_t x, int lane, BlockWalk& bw) {
+  constexpr int s = StateTraits::kSlices;
+  const bool first_segment = !segmented(p) || (pass == 1 && x < p.num_seqs * s);
+  int z = 0;
+  if (first_segment) {
+    if (pass != 1) return false;
+    bw.seq = x / s;
+    z = static_cast<int>(x % s);
+    bw.seg = 0;
+    if (bw.seq >= p.num_seqs || !state_walk(p, bw.seq, bw.walk)) return false;
+  } else {
+    const int zs = pass == 1 ? 2 * s : s;
+    const int64_t w = pass == 1 ? x - p.num_seqs * s : x;
+    z = static_cast<int>(w % zs);
+    if (!window_segment(ops, p, w / zs, lane, bw.seq, bw.seg, bw.walk)) return false;
+  }
   bw.nseg = segment_count(p, bw.walk.nchunks);
   if (segmented(p)) {
-    const int64_t first = varlen::first_slot(p.query_start_loc[seq], seq, seg_shift);
+    const int64_t first =
+        varlen::first_slot(p.query_start_loc[bw.seq], bw.seq, kChunkShift + p.seg_chunk_shift);
     // Only malformed metadata leaves the segment slots (as state_walk checks the chunk slots).
     if (first < 0 || first + bw.nseg > p.seg_slots) return false;
-    bw.seg = slot - first;
+    bw.slot = first + bw.seg;
   } else {
-    bw.seg = 0;
+    bw.slot = bw.seq;
   }
-  if (bw.seg >= bw.nseg) return false;
-  bw.slice = z % StateTraits::kSlices;
-  if (pass == 1) {
-    if (bw.seg == 0) {
-      if (z >= StateTraits::kSlices) return false;
-      bw.role = WalkRole::Full;
-    } else if (bw.seg <= bw.nseg - 2) {
-      bw.role = z < StateTraits::kSlices ? WalkRole::Summary : WalkRole::Transition;
-    } else {
-      return false;
-    }
-  } else {
-    if (bw.seg == 0) return false;
+  bw.slice = z % s;
+  if (first_segment || pass == 3) {
     bw.role = WalkRole::Full;
+  } else {
+    if (bw.seg > bw.nseg - 2) return false;
+    bw.role = z < s ? WalkRole::Summary : WalkRole::Transition;
   }
   bw.c0 = bw.seg << p.seg_chunk_shift;
   bw.c1 = std::min(bw.c0 + (int64_t{1} << p.seg_chunk_shift), bw.walk.nchunks);
@@ -1690,16 +1765,16 @@ __host__ __device__ __forceinline__ bool block_walk(Ops& ops, const RecurrencePa
 KDA_OPS_BODY
 template <class Ops>
 __host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceParams& p, int pass,
-                                                     int64_t slot, int head, int z, int tid) {
+                                                     int64_t x, int head, int tid) {
   using S = StateTraits;
   const int lane = tid & 31, warp = tid >> 5;
   BlockWalk bw;
-  if (!block_walk(ops, p, pass, slot, z, lane, bw)) return;
+  if (!block_walk(ops, p, pass, x, lane, bw)) return;
   const int vt = warp % S::kValueTiles;
   const int vbase = bw.slice * S::kColumns;
   const int v0 = vbase + vt * S::kRowsPerWarp;
   unsigned char* xchg = ops.smem() + S::kXchg + vt * S::kXchgTileBytes + lane * 16;
-  // The output warps copy the records alone (kCopyThreads = their 64 threads, thread index
+  // The output warps copy the records alone (kCopyThreads = their 128 threads, thread index
   // tid - kCopyThreads): the state warps' stream, the recurrence's critical path, then carries
   // no cp.async and no copy address arithmetic.
   const bool copier = warp >= S::kValueTiles;
@@ -1714,7 +1789,8 @@ __host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceP
     output_warp(ops, p, bw, pipe, head, vt, v0, xchg, tid);
 }
 
-// Phase 2's pass 2, the scan over segments: per (sequence, head, value slice), in segment
+// Phase 2's pass 2, the scan over segments: per (sequence, head, value slice; one block per
+// segment window, the one where the sequence's second segment starts), in segment
 // order m = 1 .. nseg - 2, E_m <- P_m E_(m-1) + E_m, which turns every E into the true state at
 // its segment's end (E_0 is, from pass 1). In the [v][c] storage: E_m[v][:] += E_(m-1)[v][:] P_m^T
 // as rows, i.e. E_m[v][c] += sum_j E_(m-1)[v][j] P_m[c][j] with P_m stored [j][c]. fp32 on CUDA
@@ -1722,7 +1798,8 @@ __host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceP
 // slice's 32 rows of E_(m-1) (16 KB).
 struct ScanTraits {
   static constexpr int kThreads = 256;
-  static constexpr int kRows = StateTraits::kColumns;  // value rows of the slice
+  static constexpr int kRows = 32;                     // value rows of the slice
+  static constexpr int kSlices = kHeadDim / kRows;     // blocks per (sequence, head)
   static constexpr int kSmemBytes = (kHeadDim * kHeadDim + kRows * kHeadDim) * 4;
   static_assert(kRows * kHeadDim == 16 * kThreads, "4 x 4 results per thread");
 };
@@ -1730,10 +1807,13 @@ struct ScanTraits {
 KDA_OPS_BODY
 template <class Ops>
 __host__ __device__ __forceinline__ void scan_block(Ops& ops, const RecurrenceParams& p,
-                                                    int64_t seq, int head, int slice, int tid) {
+                                                    int64_t window, int head, int slice, int tid) {
   using T = ScanTraits;
+  // The sequence whose second segment starts in the window (segment_windows).
   StateWalk walk;
-  if (!segmented(p) || !state_walk(p, seq, walk)) return;
+  int64_t seq = 0, seg = 0;
+  if (!segmented(p) || !window_segment(ops, p, window, tid & 31, seq, seg, walk) || seg != 1)
+    return;
   const int64_t nseg = segment_count(p, walk.nchunks);
   if (nseg < 3) return;
   const int seg_shift = kChunkShift + p.seg_chunk_shift;
@@ -1810,6 +1890,16 @@ struct DeviceOps {
       const int64_t cand = base + lane * st;
       const bool le = cand < p.num_seqs &&
                       varlen::first_slot(__ldg(p.query_start_loc + cand), cand, shift) <= slot;
+      return __popc(__ballot_sync(0xFFFFFFFFu, le));
+    });
+  }
+  // The last sequence with query_start_loc[seq] <= row (-1 when none), by the same
+  // warp-cooperative search with that predicate.
+  __device__ __forceinline__ int64_t locate_row(const RecurrenceParams& p, int64_t row,
+                                                int lane) const {
+    return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
+      const int64_t cand = base + lane * st;
+      const bool le = cand < p.num_seqs && __ldg(p.query_start_loc + cand) <= row;
       return __popc(__ballot_sync(0xFFFFFFFFu, le));
     });
   }
@@ -1897,14 +1987,16 @@ __global__ void __launch_bounds__(PrepTraits::kThreads, 2)
 
 // Phase 2's walks: pass 1 (every sequence's first segment, and the other segments' summaries
 // and transitions) or pass 3 (the segments after the first, from their true initial states).
+// Grid (state_grid_blocks, H).
 __global__ void __launch_bounds__(StateTraits::kThreads, 1)
     kda_chunk_state_kernel(const RecurrenceParams p, int pass) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   DivergentBarrierOps ops{{smem_raw}};
-  chunked::state_block(ops, p, pass, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+  chunked::state_block(ops, p, pass, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
-// Phase 2's pass 2: the scan over each sequence's segments.
+// Phase 2's pass 2: the scan over each sequence's segments. Grid (segment windows, H,
+// ScanTraits::kSlices).
 __global__ void __launch_bounds__(ScanTraits::kThreads)
     kda_chunk_scan_kernel(const RecurrenceParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];

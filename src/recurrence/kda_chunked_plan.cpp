@@ -27,7 +27,7 @@ int64_t chunks_of(int64_t num_tokens) { return (num_tokens + kKdaChunk - 1) / kK
 
 // The model (docs/design.md, "Segments"): phase 2 runs one block per SM, and a walk block
 // takes a time t per chunk whatever its role, so a pass of b blocks over segments of L chunks
-// takes ceil(b / S) L t on S SMs. One sequence of N chunks, B = 4 H blocks per segment and
+// takes ceil(b / S) L t on S SMs. One sequence of N chunks, B = kStateSlices H blocks per segment and
 // role, n = ceil(N / L) segments: pass 1 runs B (2 n - 3) blocks (segment 0's walk, and the
 // summary and the transition of segments 1 .. n - 2), pass 3 B (n - 1), and the scan n - 2
 // steps of about kScanStep chunk times each. L runs over the powers of two from
@@ -36,7 +36,7 @@ int64_t auto_segment_tokens(int64_t num_tokens, int64_t num_heads, int sm_count)
   constexpr int64_t kScanStep = 2;
   if (sm_count <= 0) return 0;
   const int64_t n_chunks = chunks_of(num_tokens);
-  const int64_t b = 4 * std::max<int64_t>(num_heads, 1), sms = std::max(sm_count, 1);
+  const int64_t b = kStateSlices * std::max<int64_t>(num_heads, 1), sms = std::max(sm_count, 1);
   const auto waves = [&](int64_t blocks) { return (blocks + sms - 1) / sms; };
   const int64_t uncut = waves(b) * n_chunks;
   int64_t best_cost = uncut;
@@ -113,10 +113,14 @@ bool kda_chunked_supported(const RecurrenceArgs& a, std::string* why) {
   // The shared checks bound num_heads by 16383, below the 65535 of both grids' y extent.
   static_assert(recurrence::kMaxHeads <= 65535, "gridDim.y = H");
   if (!recurrence::args_supported(a, why)) return false;
+  // gridDim.x: phase 1 runs one block per chunk slot; phase 2 kStateSlices per sequence and up
+  // to 2 kStateSlices per segment window, and num_seqs + windows <= chunk slots + 1.
   const int64_t slots = recurrence::chunk_slots(a);
-  if (slots > detail::kInt32Max)
-    return fail(why, str_cat("num_tokens / 64 + num_seqs = ", slots,
-                             " chunk slots exceed 2^31 - 1 (gridDim.x)"));
+  constexpr int64_t kWalkBlocks = 2 * recurrence::kStateSlices;
+  if (slots + 1 > detail::kInt32Max / kWalkBlocks)
+    return fail(why, str_cat("num_tokens / 64 + num_seqs = ", slots, " chunk slots exceed (2^31 - 1) / ",
+                             kWalkBlocks, " (gridDim.x of phase 2: ", kWalkBlocks,
+                             " walk blocks per slot)"));
   const int64_t st = a.segment_tokens;
   if (st != kKdaAutoSegments && st != 0 && (st < kKdaChunk || (st & (st - 1)) != 0))
     return fail(why, str_cat("segment_tokens ", st, " is not ", kKdaAutoSegments,

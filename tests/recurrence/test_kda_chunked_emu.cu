@@ -197,6 +197,19 @@ struct HostOps {
     return s.f[lane() ^ mask][0];
   }
 
+  // The last sequence with query_start_loc[seq] <= row (-1 when none): the device's radix
+  // search, with a loop counting each level's 32 candidates for the lanes' ballot.
+  int64_t locate_row(const RecurrenceParams& p, int64_t row, int) {
+    return kda::varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
+      int n = 0;
+      for (int j = 0; j < kda::varlen::kRadix; ++j) {
+        const int64_t cand = base + j * st;
+        n += cand < p.num_seqs && p.query_start_loc[cand] <= row ? 1 : 0;
+      }
+      return n;
+    });
+  }
+
   int64_t locate_sequence(const RecurrenceParams& p, int64_t slot_index, int, int shift) {
     return kda::varlen::locate_slot_scalar(p.query_start_loc, p.num_seqs, shift,
                                            p.search_steps, p.search_stride, slot_index)
@@ -382,27 +395,27 @@ void emulate_state(const kda::RecurrenceArgs& args, std::vector<uint4>& workspac
       kda::recurrence::make_chunked_params(args, workspace.data(), segment_tokens(args));
   using kda::chunked::StateTraits;
   const bool cut = kda::chunked::segmented(p);
-  // Blocks of a launch may run in any order: pass 3 runs its slots last first, so that a block
+  // Blocks of a launch may run in any order: pass 3 runs its blocks last first, so that a block
   // reading a state that another block of the pass writes would see the unwritten (NaN) one.
-  const auto pass = [&](int which, int zs) {
-    for (int64_t i = 0; i < p.seg_slots; ++i) {
-      const int64_t slot = which == 3 ? p.seg_slots - 1 - i : i;
+  const auto pass = [&](int which) {
+    const int64_t blocks = kda::chunked::state_grid_blocks(p, which);
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t x = which == 3 ? blocks - 1 - i : i;
       for (int head = 0; head < p.num_heads; ++head)
-        for (int z = 0; z < zs; ++z)
-          run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies, [&](HostOps& ops, int tid) {
-            kda::chunked::state_block(ops, p, which, slot, head, z, tid);
-          });
+        run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies, [&](HostOps& ops, int tid) {
+          kda::chunked::state_block(ops, p, which, x, head, tid);
+        });
     }
   };
-  pass(1, (cut ? 2 : 1) * StateTraits::kSlices);
+  pass(1);
   if (!cut) return;
   using kda::chunked::ScanTraits;
-  for (int64_t seq = 0; seq < p.num_seqs; ++seq)
+  for (int64_t w = 0; w < kda::chunked::segment_windows(p); ++w)
     for (int head = 0; head < p.num_heads; ++head)
-      for (int slice = 0; slice < StateTraits::kSlices; ++slice)
+      for (int slice = 0; slice < ScanTraits::kSlices; ++slice)
         run_block(ScanTraits::kThreads, ScanTraits::kSmemBytes, late_copies,
-                  [&](HostOps& ops, int tid) { kda::chunked::scan_block(ops, p, seq, head, slice, tid); });
-  pass(3, StateTraits::kSlices);
+                  [&](HostOps& ops, int tid) { kda::chunked::scan_block(ops, p, w, head, slice, tid); });
+  pass(3);
 }
 
 // kda_chunked's two launches.
@@ -1016,6 +1029,28 @@ TEST_CASE("emulated segments match the float64 reference; their checkpoints are 
   MESSAGE("segmented against uncut: o ", o_err.value(), ", final states ", s_err.value());
   CHECK(o_err.value() < 1e-2);
   CHECK(s_err.value() < 5e-3);
+}
+
+TEST_CASE("emulated segments of a batch of more than 32 sequences match the float64 reference") {
+  // 40 sequences, so the windows' search over query_start_loc takes two radix levels: short
+  // ones (one segment; some empty), and past the first 32 three long ones cut into segments of
+  // 128 rows: 300 rows (3 segments, a scan step), 200 (2) and 129 (2, the second of one row).
+  std::vector<int> lens, lines, init;
+  for (int i = 0; i < 40; ++i) {
+    lens.push_back(i % 7 == 3 ? 0 : 1 + (i * 13) % 40);
+    lines.push_back(i + 1);
+    init.push_back(i % 2);
+  }
+  lens[33] = 300;
+  lens[36] = 200;
+  lens[39] = 129;
+  HostBatchData before = make_batch(/*heads=*/1, lens, lines, init, /*pad_tokens=*/70, std::nullopt, 91u);
+  before.segment_tokens = 128;
+  for (float& x : before.dt_bias) x = -7.0f;  // weak decay: a wrong segment start shows
+  for (auto& x : before.b) x = kda::host::float_to_bf16(-3.0f);
+  HostBatchData run = before;
+  emulate_kda_chunked(run.args(), /*late_copies=*/false);
+  check_against_reference(before, run, run_reference(before));
 }
 
 TEST_CASE("an emulated bf16 pool holds the fp32 run's lines rounded to nearest even and is read widened") {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/arg_checks.h"
 #include "recurrence/kda_chunked.h"
 #include "recurrence/kda_recurrence.h"
 
@@ -80,58 +81,58 @@ const AutoRow kAuto[] = {
     {2048, 128, {0, 0, 0, 0, 0, 0}},
     {4096, 1, {0, 0, 1024, 1024, 1024, 1024}},
     {4096, 2, {0, 0, 1024, 1024, 1024, 1024}},
-    {4096, 4, {0, 0, 0, 0, 1024, 1024}},
-    {4096, 8, {0, 0, 0, 0, 0, 0}},
-    {4096, 12, {0, 0, 0, 0, 0, 0}},
+    {4096, 4, {0, 0, 1024, 1024, 1024, 1024}},
+    {4096, 8, {0, 0, 0, 0, 1024, 1024}},
+    {4096, 12, {0, 0, 0, 0, 0, 1024}},
     {4096, 16, {0, 0, 0, 0, 0, 0}},
     {4096, 32, {0, 0, 0, 0, 0, 0}},
     {4096, 128, {0, 0, 0, 0, 0, 0}},
     {8192, 1, {0, 0, 1024, 1024, 1024, 1024}},
     {8192, 2, {0, 0, 1024, 1024, 1024, 1024}},
-    {8192, 4, {0, 0, 2048, 1024, 1024, 1024}},
-    {8192, 8, {0, 0, 0, 0, 2048, 2048}},
-    {8192, 12, {0, 0, 0, 0, 0, 0}},
-    {8192, 16, {0, 0, 0, 0, 0, 0}},
+    {8192, 4, {0, 0, 1024, 1024, 1024, 1024}},
+    {8192, 8, {0, 0, 2048, 1024, 1024, 1024}},
+    {8192, 12, {0, 0, 0, 2048, 1024, 2048}},
+    {8192, 16, {0, 0, 0, 0, 2048, 2048}},
     {8192, 32, {0, 0, 0, 0, 0, 0}},
     {8192, 128, {0, 0, 0, 0, 0, 0}},
     {16384, 1, {0, 0, 1024, 1024, 1024, 1024}},
-    {16384, 2, {0, 0, 2048, 1024, 2048, 1024}},
-    {16384, 4, {0, 0, 4096, 2048, 2048, 2048}},
-    {16384, 8, {0, 0, 0, 0, 4096, 4096}},
-    {16384, 12, {0, 0, 0, 0, 0, 0}},
-    {16384, 16, {0, 0, 0, 0, 0, 0}},
+    {16384, 2, {0, 0, 1024, 1024, 1024, 1024}},
+    {16384, 4, {0, 0, 2048, 1024, 2048, 1024}},
+    {16384, 8, {0, 0, 4096, 2048, 2048, 2048}},
+    {16384, 12, {0, 0, 0, 4096, 2048, 4096}},
+    {16384, 16, {0, 0, 0, 0, 4096, 4096}},
     {16384, 32, {0, 0, 0, 0, 0, 0}},
     {16384, 128, {0, 0, 0, 0, 0, 0}},
-    {32768, 1, {0, 0, 2048, 2048, 2048, 2048}},
-    {32768, 2, {0, 0, 4096, 2048, 4096, 2048}},
-    {32768, 4, {0, 0, 8192, 4096, 4096, 4096}},
-    {32768, 8, {0, 0, 0, 0, 8192, 8192}},
-    {32768, 12, {0, 0, 0, 0, 0, 0}},
-    {32768, 16, {0, 0, 0, 0, 0, 0}},
+    {32768, 1, {0, 0, 2048, 2048, 2048, 1024}},
+    {32768, 2, {0, 0, 2048, 2048, 2048, 2048}},
+    {32768, 4, {0, 0, 4096, 2048, 4096, 2048}},
+    {32768, 8, {0, 0, 8192, 4096, 4096, 4096}},
+    {32768, 12, {0, 0, 0, 8192, 4096, 8192}},
+    {32768, 16, {0, 0, 0, 0, 8192, 8192}},
     {32768, 32, {0, 0, 0, 0, 0, 0}},
     {32768, 128, {0, 0, 0, 0, 0, 0}},
-    {65536, 1, {0, 0, 4096, 4096, 2048, 2048}},
-    {65536, 2, {0, 0, 8192, 4096, 8192, 4096}},
-    {65536, 4, {0, 0, 16384, 8192, 8192, 8192}},
-    {65536, 8, {0, 0, 0, 0, 16384, 16384}},
-    {65536, 12, {0, 0, 0, 0, 0, 0}},
-    {65536, 16, {0, 0, 0, 0, 0, 0}},
+    {65536, 1, {0, 0, 2048, 2048, 2048, 2048}},
+    {65536, 2, {0, 0, 4096, 4096, 2048, 2048}},
+    {65536, 4, {0, 0, 8192, 4096, 8192, 4096}},
+    {65536, 8, {0, 0, 16384, 8192, 8192, 8192}},
+    {65536, 12, {0, 0, 0, 16384, 8192, 16384}},
+    {65536, 16, {0, 0, 0, 0, 16384, 16384}},
     {65536, 32, {0, 0, 0, 0, 0, 0}},
     {65536, 128, {0, 0, 0, 0, 0, 0}},
-    {131072, 1, {0, 0, 8192, 8192, 2048, 4096}},
-    {131072, 2, {0, 0, 16384, 8192, 16384, 8192}},
-    {131072, 4, {0, 0, 4096, 16384, 16384, 16384}},
-    {131072, 8, {0, 0, 0, 0, 32768, 4096}},
-    {131072, 12, {0, 0, 0, 0, 0, 0}},
-    {131072, 16, {0, 0, 0, 0, 0, 0}},
+    {131072, 1, {0, 0, 4096, 4096, 4096, 4096}},
+    {131072, 2, {0, 0, 8192, 8192, 2048, 4096}},
+    {131072, 4, {0, 0, 16384, 8192, 16384, 8192}},
+    {131072, 8, {0, 0, 4096, 16384, 16384, 16384}},
+    {131072, 12, {0, 0, 0, 32768, 16384, 32768}},
+    {131072, 16, {0, 0, 0, 0, 32768, 4096}},
     {131072, 32, {0, 0, 0, 0, 0, 0}},
     {131072, 128, {0, 0, 0, 0, 0, 0}},
-    {1048576, 1, {0, 0, 65536, 8192, 8192, 32768}},
-    {1048576, 2, {0, 0, 131072, 65536, 8192, 65536}},
-    {1048576, 4, {0, 0, 32768, 16384, 131072, 131072}},
-    {1048576, 8, {0, 0, 0, 0, 262144, 32768}},
-    {1048576, 12, {0, 0, 0, 0, 0, 0}},
-    {1048576, 16, {0, 0, 0, 0, 0, 0}},
+    {1048576, 1, {0, 0, 32768, 32768, 8192, 16384}},
+    {1048576, 2, {0, 0, 65536, 8192, 8192, 32768}},
+    {1048576, 4, {0, 0, 131072, 65536, 8192, 65536}},
+    {1048576, 8, {0, 0, 32768, 16384, 131072, 131072}},
+    {1048576, 12, {0, 0, 0, 262144, 131072, 262144}},
+    {1048576, 16, {0, 0, 0, 0, 262144, 32768}},
     {1048576, 32, {0, 0, 0, 0, 0, 0}},
     {1048576, 128, {0, 0, 0, 0, 0, 0}},
 };
@@ -151,13 +152,13 @@ const SegmentRow kSegments[] = {
     {1000, {0, 0, 64, 128, 128, 128, 0, 0, 0}},
     {1024, {0, 0, 64, 128, 128, 128, 0, 0, 0}},
     {2048, {0, 0, 64, 128, 128, 128, 1024, 0, 0}},
-    {4096, {0, 0, 64, 128, 128, 128, 1024, 0, 0}},
-    {8192, {0, 0, 64, 128, 128, 128, 1024, 4096, 0}},
-    {16384, {0, 0, 64, 128, 128, 128, 1024, 4096, 0}},
-    {32768, {0, 0, 64, 128, 128, 128, 1024, 4096, 0}},
-    {65536, {0, 0, 64, 128, 128, 128, 1024, 4096, 0}},
-    {131072, {0, 0, 64, 128, 128, 128, 1024, 4096, 0}},
-    {1048576, {0, 0, 64, 128, 128, 128, 1024, 4096, 0}},
+    {4096, {1024, 0, 64, 128, 128, 128, 1024, 0, 0}},
+    {8192, {2048, 0, 64, 128, 128, 128, 1024, 4096, 0}},
+    {16384, {4096, 0, 64, 128, 128, 128, 1024, 4096, 0}},
+    {32768, {8192, 0, 64, 128, 128, 128, 1024, 4096, 0}},
+    {65536, {16384, 0, 64, 128, 128, 128, 1024, 4096, 0}},
+    {131072, {32768, 0, 64, 128, 128, 128, 1024, 4096, 0}},
+    {1048576, {262144, 0, 64, 128, 128, 128, 1024, 4096, 0}},
 };
 
 // chunked_layout(args of tokens, seqs, heads; segment_tokens).
@@ -369,9 +370,10 @@ TEST_CASE("chunked_workspace_bytes is the layout of the resolved segment length"
 
 TEST_CASE("the segment plan cuts only where few heads leave SMs idle") {
   using kda::recurrence::auto_segment_tokens;
-  // Heads enough to fill 132 SMs, or sequences too short to pay: never cut.
-  CHECK(auto_segment_tokens(16384, 12, 132) == 0);
+  // Heads enough that a second wave of blocks costs what a cut saves, or sequences too short
+  // to pay: never cut.
   CHECK(auto_segment_tokens(16384, 32, 132) == 0);
+  CHECK(auto_segment_tokens(16384, 96, 132) == 0);
   CHECK(auto_segment_tokens(2048, 4, 132) == 0);
   CHECK(auto_segment_tokens(65536, 4, 0) == 0);  // no device: no cut
   // Few heads over long sequences: segments of at least 1024 tokens, shorter than the sequence.
@@ -407,8 +409,11 @@ TEST_CASE("the segment plan cuts only where few heads leave SMs idle") {
   CHECK(cut.total() == whole.record_bytes + 2 * cut.seg_bytes);
 }
 
-TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power of two >= 64") {
-  // Arguments that pass every other check (supported() reads no memory: aligned stand-ins).
+namespace {
+
+// Arguments that pass every check of kda_chunked_supported (it reads no memory: aligned
+// stand-ins for the pointers).
+kda::RecurrenceArgs supported_args() {
   const auto at = [](uintptr_t x) { return reinterpret_cast<void*>(x << 12); };
   kda::RecurrenceArgs a;
   a.num_heads = 1;
@@ -434,6 +439,13 @@ TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power o
   a.state_stride_v = 1;
   a.o = at(11);
   a.o_row_stride = 128;
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power of two >= 64") {
+  kda::RecurrenceArgs a = supported_args();
   std::string why;
   for (int64_t good : {kda::kKdaAutoSegments, int64_t{0}, int64_t{64}, int64_t{4096}}) {
     CAPTURE(good);
@@ -447,4 +459,18 @@ TEST_CASE("kda_chunked refuses a segment length that is not auto, 0 or a power o
     CHECK_FALSE(kda::kda_chunked_supported(a, &why));
     CHECK(why.find("segment_tokens " + std::to_string(bad) + " is not") != std::string::npos);
   }
+}
+
+TEST_CASE("kda_chunked refuses chunk slots beyond phase 2's gridDim.x") {
+  // Phase 2 runs up to 2 kStateSlices walk blocks per sequence or segment window along x.
+  kda::RecurrenceArgs a = supported_args();
+  const int64_t most = kda::detail::kInt32Max / (2 * kda::recurrence::kStateSlices);
+  a.num_tokens = 64;
+  a.varlen.num_seqs = most - 2;  // chunk slots: one plus num_seqs
+  std::string why;
+  CHECK_MESSAGE(kda::kda_chunked_supported(a, &why), why);
+  a.varlen.num_seqs = most - 1;
+  why.clear();
+  CHECK_FALSE(kda::kda_chunked_supported(a, &why));
+  CHECK(why.find("chunk slots exceed (2^31 - 1) / 4") != std::string::npos);
 }
