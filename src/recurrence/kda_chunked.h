@@ -2,8 +2,9 @@
 // same RecurrenceArgs, state pools, varlen handling, skip rules and graph safety), computed
 // 64 tokens at a time with the WY / UT form of the gated delta rule on tensor cores.
 // CUDA-free: host code includes this header. kda_chunked_plan.cpp is its plan (checks,
-// workspace layout, the segment choice, params), kda_chunked_kernel.cuh its device code,
-// kda_chunked.cu its launches.
+// workspace layout, the segment choice, params), its device code the block bodies of
+// kda_chunked_kernel_prep.cuh (phase 1) and kda_chunked_kernel_state.cuh (phase 2) bound to the
+// hardware in kda_chunked_kernel.cuh, kda_chunked.cu its launches.
 //
 // Two phases on the caller's stream:
 //   1. prep, one block per (chunk slot, head), all in parallel: per-token prep, the cumulative

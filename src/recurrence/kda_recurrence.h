@@ -172,10 +172,10 @@ struct RecurrenceParams {
   int64_t search_stride;
   unsigned char* workspace;  // nullptr for kda_recurrence_token
 
-  // kda_chunked's sequence parallelism (kda_chunked_kernel.cuh, "Segments"): a sequence's chunks
-  // are cut into segments of 2^seg_chunk_shift chunks from its first row; segment slots follow
-  // the varlen map with 2^(6 + seg_chunk_shift)-token chunks. kNoSegments: one segment per
-  // sequence, and slot = sequence. seg_states / seg_trans: seg_slots x H fp32 128 x 128
+  // kda_chunked's sequence parallelism (kda_chunked_kernel_state.cuh, block_walk): a sequence's
+  // chunks are cut into segments of 2^seg_chunk_shift chunks from its first row; segment slots
+  // follow the varlen map with 2^(6 + seg_chunk_shift)-token chunks. kNoSegments: one segment
+  // per sequence, and slot = sequence. seg_states / seg_trans: seg_slots x H fp32 128 x 128
   // matrices in the workspace (after the records), null when not segmented.
   int seg_chunk_shift;
   int64_t seg_slots;
