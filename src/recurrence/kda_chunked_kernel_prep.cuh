@@ -138,7 +138,7 @@ __host__ __device__ __forceinline__ void scaled_rows(const PrepSmem& sm, int row
 KDA_UNROLL
   for (int e = 0; e < 8; ++e) {
     f[e] = exp2_nonpos(below ? gi[e] - gr[e] : gr[e] - gi[e]);
-    kv[e] = kv[e] * kr * f[e];  // (k / ||k||) 2^(..), as before the vectorisation
+    kv[e] = kv[e] * kr * f[e];  // (k / ||k||) 2^(..), in this order
   }
   st_as<uint4>(ke + 8 * ch, pack_bf16x8(kv));
   if (below) {

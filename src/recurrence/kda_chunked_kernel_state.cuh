@@ -789,6 +789,8 @@ __host__ __device__ __forceinline__ bool block_walk(Ops& ops, const RecurrencePa
     const int64_t first =
         varlen::first_slot(p.query_start_loc[bw.seq], bw.seq, kChunkShift + p.seg_chunk_shift);
     // Only malformed metadata leaves the segment slots (as state_walk checks the chunk slots).
+    // A decreasing query_start_loc may also give two sequences overlapping slots, whose E and P
+    // then share workspace matrices: in bounds, and that batch's results are wrong anyway.
     if (first < 0 || first + bw.nseg > p.seg_slots) return false;
     bw.slot = first + bw.seg;
   } else {
@@ -841,7 +843,7 @@ __host__ __device__ __forceinline__ void state_block(Ops& ops, const RecurrenceP
 // order m = 1 .. nseg - 2, E_m <- P_m E_(m-1) + E_m, which turns every E into the true state at
 // its segment's end (E_0 is, from pass 1). In the [v][c] storage: E_m[v][:] += E_(m-1)[v][:] P_m^T
 // as rows, i.e. E_m[v][c] += sum_j E_(m-1)[v][j] P_m[c][j] with P_m stored [j][c]. fp32 on CUDA
-// cores, the sum over j in ascending order. kScanThreads threads; smem: P_m (64 KB) and the
+// cores, the sum over j in ascending order. ScanTraits::kThreads threads; smem: P_m (64 KB) and the
 // slice's 32 rows of E_(m-1) (16 KB).
 struct ScanTraits {
   static constexpr int kThreads = 256;

@@ -1,4 +1,5 @@
-// The chunked KDA kernels' block bodies (src/recurrence/kda_chunked_kernel.cuh) executed on the
+// The chunked KDA kernels' block bodies (src/recurrence/kda_chunked_kernel_prep.cuh and
+// kda_chunked_kernel_state.cuh, through kda_chunked_kernel.cuh) executed on the
 // CPU: one std::thread per CUDA thread, barriers for __syncthreads and for named barriers
 // (bar.sync id, n and bar.arrive id, n), and the warp collectives (shuffle, ldmatrix, mma.sync
 // m16n8k16 bf16 / fp16 and m16n8k8 tf32, cp.async) emulated from the PTX ISA's fragment
