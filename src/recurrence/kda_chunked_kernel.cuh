@@ -79,25 +79,27 @@ struct DeviceOps {
     return __shfl_xor_sync(0xFFFFFFFFu, v, mask);
   }
   // The radix search of common/varlen_map.h, warp-cooperative: every lane of the warp calls it
-  // with the same slot, lane j tests candidate j of each level and a ballot counts them.
-  __device__ __forceinline__ int64_t locate_sequence(const RecurrenceParams& p, int64_t slot,
-                                                     int lane, int shift) const {
+  // with the same target, lane j tests candidate j of each level (le(cand, qsl[cand]), only for
+  // cand < num_seqs) and a ballot counts them.
+  template <class Le>
+  __device__ __forceinline__ int64_t warp_search(const RecurrenceParams& p, int lane, Le&& le) const {
     return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
       const int64_t cand = base + lane * st;
-      const bool le = cand < p.num_seqs &&
-                      varlen::first_slot(__ldg(p.query_start_loc + cand), cand, shift) <= slot;
-      return __popc(__ballot_sync(0xFFFFFFFFu, le));
+      const bool hit = cand < p.num_seqs && le(cand, __ldg(p.query_start_loc + cand));
+      return __popc(__ballot_sync(0xFFFFFFFFu, hit));
     });
   }
-  // The last sequence with query_start_loc[seq] <= row (-1 when none), by the same
-  // warp-cooperative search with that predicate.
+  // The sequence of slot `slot` of the varlen map with 2^shift-token chunks.
+  __device__ __forceinline__ int64_t locate_sequence(const RecurrenceParams& p, int64_t slot,
+                                                     int lane, int shift) const {
+    return warp_search(p, lane, [&](int64_t cand, int32_t qsl) {
+      return varlen::first_slot(qsl, cand, shift) <= slot;
+    });
+  }
+  // The last sequence with query_start_loc[seq] <= row (-1 when none).
   __device__ __forceinline__ int64_t locate_row(const RecurrenceParams& p, int64_t row,
                                                 int lane) const {
-    return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
-      const int64_t cand = base + lane * st;
-      const bool le = cand < p.num_seqs && __ldg(p.query_start_loc + cand) <= row;
-      return __popc(__ballot_sync(0xFFFFFFFFu, le));
-    });
+    return warp_search(p, lane, [&](int64_t, int32_t qsl) { return qsl <= row; });
   }
   __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) const {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
