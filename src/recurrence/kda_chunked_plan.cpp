@@ -56,10 +56,13 @@ int64_t segment_tokens_of(const RecurrenceArgs& a, int sm_count) {
   if (a.segment_tokens < 0) {
     tokens = auto_segment_tokens(a.num_tokens, a.num_heads, sm_count);
   } else if (a.segment_tokens > 0) {
+    // Segments as long as the longest possible sequence cut nothing. Tested before rounding up
+    // to a power of two, so the doubling stops below 2 num_tokens (an unchecked length near
+    // 2^63 would overflow it: the workspace query takes lengths supported() has not seen).
+    if (a.segment_tokens >= chunks_of(a.num_tokens) * kKdaChunk) return 0;
     tokens = kKdaChunk;
     while (tokens < a.segment_tokens) tokens *= 2;
   }
-  // Segments as long as the longest possible sequence cut nothing.
   return tokens > 0 && tokens / kKdaChunk < chunks_of(a.num_tokens) ? tokens : 0;
 }
 

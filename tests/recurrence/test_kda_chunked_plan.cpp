@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common/arg_checks.h"
@@ -334,6 +335,21 @@ TEST_CASE("segment_tokens_of resolves explicit and automatic lengths") {
       else
         CHECK((int64_t{64} << shift) == got);
     }
+}
+
+TEST_CASE("segment lengths beyond the longest sequence cut nothing, up to INT64_MAX") {
+  // The workspace query resolves lengths that supported() has not checked.
+  kda::RecurrenceArgs a = capacities(16384, 8, 12);
+  for (int64_t len : {int64_t{16384}, int64_t{16385}, (int64_t{1} << 62) + 1,
+                      std::numeric_limits<int64_t>::max()}) {
+    CAPTURE(len);
+    a.segment_tokens = len;
+    CHECK(kda::recurrence::segment_tokens_of(a, 132) == 0);
+    CHECK(kda::recurrence::chunked_workspace_bytes(a, 132) ==
+          kda::recurrence::chunked_layout(a, 0).total());
+  }
+  a.segment_tokens = 8192;  // the longest one that still cuts a 16384-token sequence
+  CHECK(kda::recurrence::segment_tokens_of(a, 132) == 8192);
 }
 
 TEST_CASE("the chunked workspace layout over capacities and segment lengths") {
