@@ -34,7 +34,7 @@
 // line, which holds the state exactly, it is).
 //
 // The bodies run per thread and reach other threads only through `Ops` (barriers, named
-// barriers (sync and arrive), shuffles, the radix search, ldmatrix (.trans), mma in bf16,
+// barriers (sync and arrive), shuffles, ballots, ldmatrix (.trans), mma in bf16,
 // fp16 and tf32, cp.async); DeviceOps (end of this file) maps them to the hardware
 // instructions. Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16" and "for
 // mma.m16n8k8"), with g = lane / 4 and t = lane % 4:
@@ -78,29 +78,12 @@ struct DeviceOps {
   __device__ __forceinline__ float shfl_xor(float v, int mask) const {
     return __shfl_xor_sync(0xFFFFFFFFu, v, mask);
   }
-  // The radix search of common/varlen_map.h, warp-cooperative: every lane of the warp calls it
-  // with the same target, lane j tests candidate j of each level (le(cand, qsl[cand]), only for
-  // cand < num_seqs) and a ballot counts them.
-  template <class Le>
-  __device__ __forceinline__ int64_t warp_search(const RecurrenceParams& p, int lane, Le&& le) const {
-    return varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
-      const int64_t cand = base + lane * st;
-      const bool hit = cand < p.num_seqs && le(cand, __ldg(p.query_start_loc + cand));
-      return __popc(__ballot_sync(0xFFFFFFFFu, hit));
-    });
+  // __ballot_sync over the whole warp: every lane must call it (locate_sequence, locate_row).
+  __device__ __forceinline__ uint32_t ballot(bool pred) const {
+    return __ballot_sync(0xFFFFFFFFu, pred);
   }
-  // The sequence of slot `slot` of the varlen map with 2^shift-token chunks.
-  __device__ __forceinline__ int64_t locate_sequence(const RecurrenceParams& p, int64_t slot,
-                                                     int lane, int shift) const {
-    return warp_search(p, lane, [&](int64_t cand, int32_t qsl) {
-      return varlen::first_slot(qsl, cand, shift) <= slot;
-    });
-  }
-  // The last sequence with query_start_loc[seq] <= row (-1 when none).
-  __device__ __forceinline__ int64_t locate_row(const RecurrenceParams& p, int64_t row,
-                                                int lane) const {
-    return warp_search(p, lane, [&](int64_t, int32_t qsl) { return qsl <= row; });
-  }
+  // A read of metadata no thread writes (query_start_loc), through the read-only cache.
+  __device__ __forceinline__ int32_t load_i32_ro(const int32_t* ptr) const { return __ldg(ptr); }
   __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) const {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -241,6 +241,44 @@ __host__ __device__ __forceinline__ SeqSpan sequence_span(const RecurrenceParams
   return s;
 }
 
+// The radix searches over query_start_loc (common/varlen_map.h's find_sequence), run by the 32
+// lanes of one warp: every lane calls them with the same target, and each level is one load per
+// lane and one ballot (WarpLevelCount: lane j loads candidate j's query_start_loc and tests pred
+// on it, which must hold for a prefix of the sequences). locate_sequence: the sequence of chunk
+// slot `slot` of the varlen map with 2^shift-token chunks. locate_row: the last sequence with
+// query_start_loc[seq] <= row. -1 when none.
+template <class Ops, class Pred>
+struct WarpLevelCount {
+  Ops& ops;
+  const RecurrenceParams& p;
+  int lane;
+  Pred pred;
+  KDA_OPS_BODY
+  __host__ __device__ __forceinline__ int operator()(int64_t base, int64_t stride) const {
+    const int64_t cand = base + lane * stride;
+    const bool hit = cand < p.num_seqs && pred(cand, ops.load_i32_ro(p.query_start_loc + cand));
+    return varlen::popcount32(ops.ballot(hit));
+  }
+};
+template <class Ops, class Pred>
+__host__ __device__ __forceinline__ int64_t warp_search(Ops& ops, const RecurrenceParams& p,
+                                                        int lane, Pred pred) {
+  return varlen::find_sequence(p.search_steps, p.search_stride,
+                               WarpLevelCount<Ops, Pred>{ops, p, lane, pred});
+}
+template <class Ops>
+__host__ __device__ __forceinline__ int64_t locate_sequence(Ops& ops, const RecurrenceParams& p,
+                                                            int64_t slot, int lane, int shift) {
+  return warp_search(ops, p, lane, [=](int64_t cand, int32_t qsl) {
+    return varlen::first_slot(qsl, cand, shift) <= slot;
+  });
+}
+template <class Ops>
+__host__ __device__ __forceinline__ int64_t locate_row(Ops& ops, const RecurrenceParams& p,
+                                                       int64_t row, int lane) {
+  return warp_search(ops, p, lane, [=](int64_t, int32_t qsl) { return qsl <= row; });
+}
+
 __host__ __device__ __forceinline__ unsigned char* record_of(const RecurrenceParams& p,
                                                              int64_t slot, int head) {
   return p.workspace + (slot * p.num_heads + head) * static_cast<int64_t>(Record::kBytes);

@@ -359,7 +359,7 @@ __host__ __device__ __forceinline__ void prep_block(Ops& ops, const RecurrencePa
                                                     int64_t slot, int head, int tid) {
   using T = PrepTraits;
   const int lane = tid & 31, warp = tid >> 5;
-  const int64_t seq = ops.locate_sequence(p, slot, lane, kChunkShift);
+  const int64_t seq = locate_sequence(ops, p, slot, lane, kChunkShift);
   if (seq < 0) return;
   const SeqSpan span = sequence_span(p, seq);
   if (!span.active) return;

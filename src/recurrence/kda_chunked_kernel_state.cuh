@@ -737,7 +737,7 @@ __host__ __device__ __forceinline__ bool window_segment(Ops& ops, const Recurren
                                                         int64_t& seg, StateWalk& walk) {
   const int shift = kChunkShift + p.seg_chunk_shift;
   const int64_t row = r << shift;
-  seq = ops.locate_row(p, row, lane);
+  seq = locate_row(ops, p, row, lane);
   if (seq < 0 || seq >= p.num_seqs || !state_walk(p, seq, walk)) return false;
   if (row < walk.span.bos || row >= walk.span.eos) return false;
   seg = (row - walk.span.bos + (int64_t{1} << shift) - 1) >> shift;

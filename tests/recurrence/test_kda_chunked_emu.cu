@@ -198,24 +198,17 @@ struct HostOps {
     return s.f[lane() ^ mask][0];
   }
 
-  // The last sequence with query_start_loc[seq] <= row (-1 when none): the device's radix
-  // search, with a loop counting each level's 32 candidates for the lanes' ballot.
-  int64_t locate_row(const RecurrenceParams& p, int64_t row, int) {
-    return kda::varlen::find_sequence(p.search_steps, p.search_stride, [&](int64_t base, int64_t st) {
-      int n = 0;
-      for (int j = 0; j < kda::varlen::kRadix; ++j) {
-        const int64_t cand = base + j * st;
-        n += cand < p.num_seqs && p.query_start_loc[cand] <= row ? 1 : 0;
-      }
-      return n;
-    });
+  // __ballot_sync(0xFFFFFFFF, pred): every lane of the warp must call it (a lane that does not
+  // leaves the others waiting at the warp barrier, and the emulation stops).
+  uint32_t ballot(bool pred) {
+    WarpSlot& s = slot();
+    s.u[lane()][0] = pred ? 1u : 0u;
+    warp_wait();
+    uint32_t mask = 0;
+    for (int l = 0; l < 32; ++l) mask |= (s.u[l][0] & 1u) << l;
+    return mask;
   }
-
-  int64_t locate_sequence(const RecurrenceParams& p, int64_t slot_index, int, int shift) {
-    return kda::varlen::locate_slot_scalar(p.query_start_loc, p.num_seqs, shift,
-                                           p.search_steps, p.search_stride, slot_index)
-        .seq;
-  }
+  int32_t load_i32_ro(const int32_t* ptr) { return *ptr; }
 
   uint32_t load32(uint32_t offset) {
     uint32_t w = 0;
@@ -371,15 +364,16 @@ std::vector<uint4> new_workspace(const kda::RecurrenceArgs& args) {
   return workspace;
 }
 
-// kda_chunked's phase 1, every block emulated in turn.
+// kda_chunked's phase 1, every block emulated in turn, last first (the blocks of a launch may
+// run in any order; see emulate_state).
 void emulate_prep(const kda::RecurrenceArgs& args, std::vector<uint4>& workspace, bool late_copies) {
   std::string why;
   REQUIRE_MESSAGE(kda::kda_chunked_supported(args, &why), why);
   const RecurrenceParams p = kda::recurrence::make_chunked_params(args, workspace.data(), 0);
   REQUIRE(kda::recurrence::chunked_layout(args, segment_tokens(args)).total() <= workspace.size() * 16);
   using kda::chunked::PrepSmem;
-  for (int64_t slot = 0; slot < p.slots; ++slot)
-    for (int head = 0; head < p.num_heads; ++head)
+  for (int64_t slot = p.slots - 1; slot >= 0; --slot)
+    for (int head = p.num_heads - 1; head >= 0; --head)
       run_block(kda::chunked::PrepTraits::kThreads, sizeof(PrepSmem), late_copies,
                 [&](HostOps& ops, int tid) {
                   if (args.gate_lower_bound)
@@ -396,13 +390,13 @@ void emulate_state(const kda::RecurrenceArgs& args, std::vector<uint4>& workspac
       kda::recurrence::make_chunked_params(args, workspace.data(), segment_tokens(args));
   using kda::chunked::StateTraits;
   const bool cut = kda::chunked::segmented(p);
-  // Blocks of a launch may run in any order: pass 3 runs its blocks last first, so that a block
-  // reading a state that another block of the pass writes would see the unwritten (NaN) one.
+  // Blocks of a launch may run in any order: every launch runs its blocks last first, so that a
+  // block reading what another block of the same launch writes (a state, a segment's E or P)
+  // would see the unwritten (NaN) workspace, or the state from before the batch.
   const auto pass = [&](int which) {
     const int64_t blocks = kda::chunked::state_grid_blocks(p, which);
-    for (int64_t i = 0; i < blocks; ++i) {
-      const int64_t x = which == 3 ? blocks - 1 - i : i;
-      for (int head = 0; head < p.num_heads; ++head)
+    for (int64_t x = blocks - 1; x >= 0; --x) {
+      for (int head = p.num_heads - 1; head >= 0; --head)
         run_block(StateTraits::kThreads, StateTraits::kSmemBytes, late_copies, [&](HostOps& ops, int tid) {
           kda::chunked::state_block(ops, p, which, x, head, tid);
         });
@@ -411,9 +405,9 @@ void emulate_state(const kda::RecurrenceArgs& args, std::vector<uint4>& workspac
   pass(1);
   if (!cut) return;
   using kda::chunked::ScanTraits;
-  for (int64_t w = 0; w < kda::chunked::segment_windows(p); ++w)
-    for (int head = 0; head < p.num_heads; ++head)
-      for (int slice = 0; slice < ScanTraits::kSlices; ++slice)
+  for (int64_t w = kda::chunked::segment_windows(p) - 1; w >= 0; --w)
+    for (int head = p.num_heads - 1; head >= 0; --head)
+      for (int slice = ScanTraits::kSlices - 1; slice >= 0; --slice)
         run_block(ScanTraits::kThreads, ScanTraits::kSmemBytes, late_copies,
                   [&](HostOps& ops, int tid) { kda::chunked::scan_block(ops, p, w, head, slice, tid); });
   pass(3);
@@ -1034,18 +1028,23 @@ TEST_CASE("emulated segments match the float64 reference; their checkpoints are 
 
 TEST_CASE("emulated segments of a batch of more than 32 sequences match the float64 reference") {
   // 40 sequences, so the windows' search over query_start_loc takes two radix levels: short
-  // ones (one segment; some empty), and past the first 32 three long ones cut into segments of
-  // 128 rows: 300 rows (3 segments, a scan step), 200 (2) and 129 (2, the second of one row).
+  // ones (one segment; some empty), and past the first 32 long ones cut into segments of 128
+  // rows: 300 rows (3 segments, a scan step), 200 (2, on the null line: skipped), 257 (3) and
+  // 129 (2, the second of one row). The batch starts at row 10 (query_start_loc[0] = 10), so
+  // segment starts fall inside the windows of 128 rows, not on their bounds. Two heads.
   std::vector<int> lens, lines, init;
   for (int i = 0; i < 40; ++i) {
-    lens.push_back(i % 7 == 3 ? 0 : 1 + (i * 13) % 40);
+    lens.push_back(i % 7 == 2 ? 0 : 1 + (i * 13) % 40);  // 31, the last of the first 32, is not empty
     lines.push_back(i + 1);
     init.push_back(i % 2);
   }
   lens[33] = 300;
-  lens[36] = 200;
+  lens[35] = 200;
+  lines[35] = 0;
+  lens[36] = 257;
   lens[39] = 129;
-  HostBatchData before = make_batch(/*heads=*/1, lens, lines, init, /*pad_tokens=*/70, std::nullopt, 91u);
+  HostBatchData before = make_batch(/*heads=*/2, lens, lines, init, /*pad_tokens=*/70, std::nullopt, 91u);
+  for (int32_t& q : before.qsl) q += 10;
   before.segment_tokens = 128;
   for (float& x : before.dt_bias) x = -7.0f;  // weak decay: a wrong segment start shows
   for (auto& x : before.b) x = kda::host::float_to_bf16(-3.0f);
