@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "common/check.h"
 #include "common/state_checkpoints.h"
@@ -100,10 +102,19 @@ void BatchValidator::check_checkpoints(const BatchView& batch) {
   const int32_t* lines = batch.checkpoint_lines;
   if (!interval && !start && !lines) return;
   const int64_t n = batch.num_seqs;
-  KDA_CHECK(interval != nullptr && start != nullptr, kBeginForward, "checkpoint_",
-            interval ? "start_loc" : "interval", " is null while checkpoint_",
-            interval ? "interval" : "start_loc",
-            " is set: give checkpoint_interval, checkpoint_start_loc and checkpoint_lines together");
+  // Which of the three are null and which set, by name (at least one is set).
+  if (!interval || !start) {
+    std::string null_ones, set_ones;
+    for (const auto& [name, set] : {std::pair<const char*, bool>{"checkpoint_interval", interval != nullptr},
+                                    {"checkpoint_start_loc", start != nullptr},
+                                    {"checkpoint_lines", lines != nullptr}}) {
+      std::string& list = set ? set_ones : null_ones;
+      list += list.empty() ? name : str_cat(" and ", name);
+    }
+    KDA_FAIL(kBeginForward, null_ones, null_ones.find(" and ") == std::string::npos ? " is" : " are",
+             " null while ", set_ones, set_ones.find(" and ") == std::string::npos ? " is" : " are",
+             " set: give checkpoint_interval, checkpoint_start_loc and checkpoint_lines together");
+  }
   KDA_CHECK(start[0] == 0, kBeginForward, "checkpoint_start_loc[0] must be 0, got ", start[0]);
   for (int64_t s = 1; s <= n; ++s) {
     if (start[s] < start[s - 1]) {

@@ -208,13 +208,21 @@ TEST_CASE("checkpoint validation names the first problem and what was expected")
   SUBCASE("one array of three") {
     BatchView v = good.view();
     v.checkpoint_start_loc = nullptr;
-    check_rejects(v, config, "checkpoint_start_loc is null while checkpoint_interval is set");
+    check_rejects(v, config, "checkpoint_start_loc is null while checkpoint_interval and checkpoint_lines are set");
     v = good.view();
     v.checkpoint_interval = nullptr;
-    check_rejects(v, config, "checkpoint_interval is null while checkpoint_start_loc is set");
+    check_rejects(v, config, "checkpoint_interval is null while checkpoint_start_loc and checkpoint_lines are set");
     v = good.view();
     v.checkpoint_lines = nullptr;
     check_rejects(v, config, "checkpoint_lines is null, expected 6 entries");
+    v = good.view();
+    v.checkpoint_interval = v.checkpoint_start_loc = nullptr;
+    check_rejects(v, config,
+                  "checkpoint_interval and checkpoint_start_loc are null while checkpoint_lines is set");
+    v = good.view();
+    v.checkpoint_start_loc = v.checkpoint_lines = nullptr;
+    check_rejects(v, config,
+                  "checkpoint_start_loc and checkpoint_lines are null while checkpoint_interval is set");
   }
   SUBCASE("checkpoint_start_loc that does not start at 0 or decreases") {
     Batch b = good;
