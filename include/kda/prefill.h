@@ -354,7 +354,8 @@ class PrefillModule {
   std::vector<StepTiming> profile_steps(const BatchView& batch, int layer, Stream stream);
 
   // (self_check runs every layer of its batch and profile_steps the layer it times: run_layer
-  // refuses those layers of that batch afterwards.)
+  // refuses those layers of that batch afterwards. A failure part way through either marks the
+  // batch failed, as a run_layer that throws does, and its error says what may be written.)
 
   // Synchronises the stream to read replay timings.
   ModuleStats stats(Stream stream) const;

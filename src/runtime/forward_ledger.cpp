@@ -62,17 +62,24 @@ std::string ForwardLedger::written() const {
   return out.empty() ? "nothing" : out;
 }
 
-std::string ForwardLedger::failed(int layer, int window, const std::string& why) {
+std::string ForwardLedger::failed(int layer, int window, const std::string& why, const char* call) {
   const std::string wrote = written();
   // A window whose eager run finished before its graph's capture failed counts as written.
   const bool window_written = windows_ran_[layer] > window;
-  why_failed_ = str_cat("run_layer(", layer, ") failed in window ", window, " (", rows_of(window, 1), ": ", why,
+  why_failed_ = str_cat(call, "(", layer, ") failed in window ", window, " (", rows_of(window, 1), ": ", why,
                         "); written: ", wrote);
   state_ = State::Failed;
   return str_cat("written: ", wrote,
                  window_written ? "" : str_cat("; layer ", layer, " window ", window, " may be partly written"),
                  "; nothing else of the batch ran and it can no longer run (the state lines of the sequences in ",
                  "what was written have advanced)");
+}
+
+std::string ForwardLedger::failed_all(const char* call, const std::string& why) {
+  why_failed_ = str_cat(call, " failed part way (", why, ") after it had started to run every layer of the batch");
+  state_ = State::Failed;
+  return "every layer and window of the batch may be partly written (the state lines of its sequences may have "
+         "advanced, some more than once); it can no longer run";
 }
 
 }  // namespace kda::detail

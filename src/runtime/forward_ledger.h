@@ -5,8 +5,9 @@
 //  - begin_forward drops the previous batch before it validates the new one, so after a failed
 //    begin_forward no batch is staged and run_layer throws until a begin_forward succeeds;
 //  - a batch runs at most once per layer: a second run_layer of a layer throws, writing nothing;
-//  - a run_layer that throws part way marks the batch failed: every later run_layer of it
-//    throws, and the error says which layers and windows were written.
+//  - a run_layer (or profile_steps, self_check) that throws part way marks the batch failed:
+//    every later run_layer of it throws, and the error says which layers and windows were
+//    written.
 #pragma once
 
 #include <cstdint>
@@ -37,9 +38,13 @@ class ForwardLedger {
   void window_ran(int layer, int window);
   // Every layer has run the batch in full (self_check runs each layer).
   void all_ran();
-  // A run of `layer` threw at `window`: the batch can no longer run. Returns the sentence that
-  // says what of the batch was written, for the error.
-  std::string failed(int layer, int window, const std::string& why);
+  // A run of `layer` (by `call`: run_layer or profile_steps) threw at `window`: the batch can no
+  // longer run. Returns the sentence that says what of the batch was written, for the error.
+  std::string failed(int layer, int window, const std::string& why, const char* call = "run_layer");
+  // A call that runs every layer (self_check, after all_ran) threw part way: the batch can no
+  // longer run, and any of its layers and windows may be partly written. Returns the sentence for
+  // the error.
+  std::string failed_all(const char* call, const std::string& why);
 
   bool batch_staged() const { return state_ == State::Staged; }
   // Which (layer, window)s were enqueued, e.g. "layer 0: windows 0-1 (rows 0-4095, all of the

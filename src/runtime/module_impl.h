@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/check.h"
 #include "common/device_guard.h"
 #include "common/device_memory.h"
 #include "graph_cache.h"
@@ -116,8 +117,12 @@ struct PrefillModule::Impl {
   // then user steps; run(inputs, stream) enqueues the step.
   template <typename F>
   void for_each_step(F&& f) const;
-  // Enqueues every step; a step that throws something other than kda::Error (a user step) has
-  // it turned into a kda::Error naming the step.
+  // Enqueues one step, a runner of for_each_step: a step that throws something other than
+  // kda::Error (a user step) has it turned into a kda::Error naming the step.
+  template <typename Run>
+  static void run_step(const std::string& name, const Run& run, const detail::StepInputs& in,
+                       Stream stream);
+  // Enqueues every step (run_step each).
   void run_steps(const detail::StepInputs& in, Stream stream) const;
   void all_reduce(const detail::StepInputs& in, Stream stream) const;
 
@@ -148,6 +153,20 @@ void PrefillModule::Impl::for_each_step(F&& f) const {
   for (std::size_t i = 0; i < user_steps.size(); ++i)
     f("user step " + std::to_string(i),
       [this, i](const detail::StepInputs& in, Stream s) { user_steps[i](in.ctx, s); });
+}
+
+template <typename Run>
+void PrefillModule::Impl::run_step(const std::string& name, const Run& run,
+                                   const detail::StepInputs& in, Stream stream) {
+  try {
+    run(in, stream);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    KDA_FAIL("kda::PrefillModule", name, " threw: ", e.what());
+  } catch (...) {
+    KDA_FAIL("kda::PrefillModule", name, " threw an exception that is not a std::exception");
+  }
 }
 
 }  // namespace kda

@@ -138,17 +138,7 @@ void PrefillModule::Impl::drop_graphs() {
 }
 
 void PrefillModule::Impl::run_steps(const detail::StepInputs& in, Stream stream) const {
-  for_each_step([&](const std::string& name, const auto& run) {
-    try {
-      run(in, stream);
-    } catch (const Error&) {
-      throw;
-    } catch (const std::exception& e) {
-      KDA_FAIL("kda::PrefillModule", name, " threw: ", e.what());
-    } catch (...) {
-      KDA_FAIL("kda::PrefillModule", name, " threw an exception that is not a std::exception");
-    }
-  });
+  for_each_step([&](const std::string& name, const auto& run) { run_step(name, run, in, stream); });
 }
 
 // With a communicator: the sum of the ranks' outputs, in place over the bucket's rows (every

@@ -80,6 +80,21 @@ TEST_CASE("all_ran marks every layer of the batch as run") {
   for (int layer = 0; layer < 3; ++layer) CHECK(refusal(l, layer).find("has already run this batch") != std::string::npos);
 }
 
+TEST_CASE("a failure part way through a call that runs every layer ends the batch") {
+  ForwardLedger l(2);
+  l.begin();
+  l.staged(three_windows());
+  l.all_ran();
+  const std::string said = l.failed_all("self_check", "cudaMemcpyAsync: an illegal memory access");
+  CHECK(said.find("every layer and window of the batch may be partly written") != std::string::npos);
+  for (int layer = 0; layer < 2; ++layer) {
+    CAPTURE(layer);
+    CHECK(refusal(l, layer).find("this batch can no longer run: self_check failed part way (cudaMemcpyAsync: an "
+                                 "illegal memory access)") != std::string::npos);
+  }
+  CHECK_FALSE(l.batch_staged());
+}
+
 TEST_CASE("a failure part way ends the batch and names the layers and windows written") {
   ForwardLedger l(3);
   l.begin();
@@ -100,6 +115,11 @@ TEST_CASE("a failure part way ends the batch and names the layers and windows wr
     const std::string said = l.failed(1, 1, "capture failed");
     CHECK(said.find("layer 1: windows 0-1 (rows 0-4095)") != std::string::npos);
     CHECK(said.find("may be partly written") == std::string::npos);
+  }
+  SUBCASE("profile_steps names itself") {
+    l.failed(1, 1, "user step 0 threw: boom", "profile_steps");
+    CHECK(refusal(l, 0).find("this batch can no longer run: profile_steps(1) failed in window 1") != std::string::npos);
+    return;  // the refusals below name run_layer
   }
   for (int layer = 0; layer < 3; ++layer) {
     CAPTURE(layer);

@@ -242,6 +242,31 @@ TEST_CASE("a step that throws in an eager run fails the batch, naming the window
   CHECK(batch_diff_bits(*m, *clean, next, s) == 0);
 }
 
+TEST_CASE("a step that throws in profile_steps fails the batch as in run_layer") {
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  const kda::Config cfg = tiny_config();
+  auto m = make_module(cfg, 45);
+  FaultyStep faulty;
+  faulty.throw_at_eager = 2;  // layer 0 window 1 (profile_steps runs the steps eagerly)
+  m->add_step(faulty);
+  const HostBatch b = three_window_batch(1, false);
+  fill_hidden(*m, b.tokens(), 12, s);
+  const std::string why = error_message([&] { m->profile_steps(b.view(), 0, s); });
+  CHECK(why.find("layer 0 window 1 failed: ") != std::string::npos);
+  CHECK(why.find("user step 0 threw: refused in an eager run") != std::string::npos);
+  CHECK(why.find("written: layer 0: window 0 (rows 0-255); layer 0 window 1 may be partly written") !=
+        std::string::npos);
+  for (int layer : {0, 1})
+    CHECK_THROWS_WITH_AS(m->run_layer(layer, s),
+                         doctest::Contains("this batch can no longer run: profile_steps(0) failed in window 1"),
+                         kda::Error);
+  const HostBatch next = three_window_batch(10, false);
+  fill_hidden(*m, next.tokens(), 13, s);
+  CHECK_NOTHROW(m->run(next.view(), s));
+  CHECK(faulty.counts->thrown);
+}
+
 TEST_CASE("external pools that share bytes with each other, another layer's pools or module buffers are refused") {
   Stream stream;
   const cudaStream_t s = stream.get();
