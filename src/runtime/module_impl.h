@@ -133,6 +133,10 @@ struct PrefillModule::Impl {
 
   // weights.cpp
   void set_weights(int layer, const LayerWeights& w, const char* fn);
+  // Storage [begin, begin + bytes) is about to be overwritten or freed: every layer whose weights
+  // lie in it has none until set_weights gives it new ones, so a copy that fails part way leaves
+  // it refusing to run instead of running on a mix of old and new weights.
+  void drop_weights_in(const void* begin, std::size_t bytes);
   void set_pools(int layer, const StatePools& p, const char* fn);
   // Throws naming both ranges when p's pools share a byte with each other, with another
   // layer's pools or with a module buffer.

@@ -39,7 +39,9 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
     weights[layer] = old;
     throw;
   }
-  if (!has_weights[layer] || std::memcmp(&old, &w, sizeof(LayerWeights)) != 0) bump_version(layer);
+  // Graphs record the pointers: the same ones keep them, also after drop_weights_in (storage
+  // refilled in place). A layer never given weights holds null pointers, which always differ.
+  if (std::memcmp(&old, &w, sizeof(LayerWeights)) != 0) bump_version(layer);
   has_weights[layer] = true;
 }
 
@@ -148,6 +150,7 @@ void PrefillModule::init_random_weights(uint64_t seed) {
     m.random_storage = detail::DeviceBuffer(per_layer * m.num_layers, "random weights");
   // A forward still in flight may read the current weights; refill only when it is done.
   KDA_CUDA_CHECK(fn, cudaDeviceSynchronize());
+  m.drop_weights_in(m.random_storage.get(), m.random_storage.bytes());
   std::vector<LayerWeights> w(m.num_layers);
   for (int l = 0; l < m.num_layers; ++l)
     w[l] = detail::init_random_layer_weights(m.config.model, l, seed, m.random_storage.as<char>() + l * per_layer,
@@ -192,6 +195,7 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
   if (m.uploaded_weights.empty()) m.uploaded_weights.resize(m.num_layers);
   // A forward in flight may still read the storage being replaced or overwritten.
   KDA_CUDA_CHECK(fn, cudaDeviceSynchronize());
+  m.drop_weights_in(m.uploaded_weights[layer].get(), m.uploaded_weights[layer].bytes());
   if (m.uploaded_weights[layer].bytes() < total) m.uploaded_weights[layer] = detail::DeviceBuffer(total, "uploaded weights");
   char* dst = m.uploaded_weights[layer].as<char>();
   const void* dev[8];
@@ -218,6 +222,15 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
   w.o_norm_weight = dev[6];
   w.o_proj = dev[7];
   m.set_weights(layer, w, fn);
+}
+
+void PrefillModule::Impl::drop_weights_in(const void* begin, std::size_t bytes) {
+  if (!begin) return;
+  const auto* lo = static_cast<const char*>(begin);
+  for (int l = 0; l < num_layers; ++l) {
+    const auto* p = static_cast<const char*>(weights[l].in_proj);
+    if (has_weights[l] && p >= lo && p < lo + bytes) has_weights[l] = 0;
+  }
 }
 
 const LayerWeights& PrefillModule::layer_weights(int layer) const {
