@@ -12,7 +12,8 @@
 //
 // Threading: a module is driven from one host thread at a time and its work is ordered on the
 // stream given to begin_forward/run_layer; use one stream per module (the device-side metadata
-// staging is single-buffered and relies on that order). No member function may be called
+// staging is single-buffered and relies on that order: run_layer refuses a stream other than
+// its batch's begin_forward's). No member function may be called
 // concurrently with another on the same module, const ones (config, output, stats) included.
 // Different modules are independent and may be driven from different threads on different
 // streams at the same time. The caller may write hidden_states() and read output(), the planes
@@ -326,7 +327,8 @@ class PrefillModule {
   // the graph of each window's bucket, or launches the steps eagerly when graphs are off.
   // Throws, writing nothing, for a layer out of range or without weights or pools, when no
   // batch is staged (none yet, or the last begin_forward failed), when this layer has run the
-  // batch already, and after a failed run_layer of the batch. A failure once work is enqueued
+  // batch already, after a failed run_layer of the batch, and for a stream other than the one
+  // the batch's begin_forward was given. A failure once work is enqueued
   // marks the batch failed and names the layers and windows written (the paragraph "After an
   // error" at the top).
   void run_layer(int layer, Stream stream);

@@ -43,6 +43,7 @@ void PrefillModule::Impl::stage(const BatchView& batch, Stream stream) {
   }
   windows.swap(next_windows);
   ledger.staged(windows);
+  staged_stream = stream;
   forward_started = true;
 }
 
@@ -130,6 +131,10 @@ void PrefillModule::run_layer(int layer, Stream stream) {
   m.check_layer_ready(layer, fn);
   m.ledger.check_can_run(layer, fn);
   m.check_stream(stream, fn);
+  KDA_CHECK(stream == m.staged_stream, fn, "layer ", layer, " was given stream ", static_cast<const void*>(stream),
+            ", but this batch's begin_forward staged its metadata on stream ",
+            static_cast<const void*>(m.staged_stream),
+            ": the staging is single-buffered and ordered on that stream, so use one stream per module");
   m.ledger.layer_started(layer);
   for (int w = 0; w < static_cast<int>(m.windows.size()); ++w) {
     try {

@@ -90,6 +90,9 @@ struct PrefillModule::Impl {
   std::vector<detail::WindowPlan> windows, next_windows;
   detail::ForwardLedger ledger;
   bool forward_started = false;  // a begin_forward has staged a batch: the step list is fixed
+  // The stream of the staged batch's begin_forward: its metadata copy is ordered on it, and the
+  // next begin_forward overwrites the single device staging, so run_layer must use it too.
+  Stream staged_stream = nullptr;
   bool eager = false;
   bool kernels_warm = false;          // the eager-capture warm-up has run
   bool eager_graphs_current = false;  // every window-0 graph of every layer with weights is recorded

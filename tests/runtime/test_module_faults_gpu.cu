@@ -119,6 +119,23 @@ TEST_CASE("a step-list change after a failed eager capture drops the old graphs,
                        kda::Error);
 }
 
+TEST_CASE("run_layer on another stream than the batch's begin_forward throws and writes nothing") {
+  Stream stream, other;
+  const cudaStream_t s = stream.get();
+  const kda::Config cfg = tiny_config();
+  auto m = make_module(cfg, 33);
+  auto clean = make_module(cfg, 33);
+  const HostBatch b = make_batch({70, 200, 5}, {4, 5, 6}, {false, true, false});
+  for (PrefillModule* x : {m.get(), clean.get()}) fill_hidden(*x, b.tokens(), 8, s);
+  m->begin_forward(b.view(), s);
+  for (int l = 0; l < 2; ++l)
+    CHECK_THROWS_WITH_AS(m->run_layer(l, other.get()),
+                         doctest::Contains("but this batch's begin_forward staged its metadata on stream"), kda::Error);
+  for (int l = 0; l < 2; ++l) m->run_layer(l, s);  // the batch still runs, once, on its stream
+  clean->run(b.view(), s);
+  CHECK(module_diff_bits(*m, *clean, b.tokens(), s) == 0);
+}
+
 TEST_CASE("after a failed begin_forward, or a second run of a layer, run_layer throws and writes nothing") {
   Stream stream;
   const cudaStream_t s = stream.get();
