@@ -13,7 +13,9 @@
 // Threading: a module is driven from one host thread at a time and its work is ordered on the
 // stream given to begin_forward/run_layer; use one stream per module (the device-side metadata
 // staging is single-buffered and relies on that order: run_layer refuses a stream other than
-// its batch's begin_forward's). No member function may be called
+// its batch's begin_forward's, and a begin_forward on another stream than the last batch's is
+// not ordered after that batch's work by the module: the caller must order it, e.g. with an
+// event). No member function may be called
 // concurrently with another on the same module, const ones (config, output, stats) included.
 // Different modules are independent and may be driven from different threads on different
 // streams at the same time. The caller may write hidden_states() and read output(), the planes
@@ -24,8 +26,9 @@
 // weight changes nothing. begin_forward drops the previous batch before it validates the new
 // one: after it throws, no batch is staged and run_layer throws until a begin_forward succeeds.
 // A batch runs at most once per layer: a second run_layer of a layer throws and writes nothing.
-// A run_layer that fails once work is enqueued (a step that throws, a failed graph capture
-// after the window ran eagerly, a CUDA error) marks the batch failed: its error says which
+// A run_layer (or profile_steps, self_check) that fails once work is enqueued (a step that
+// throws, a failed graph capture after the window ran eagerly, a CUDA error) marks the batch
+// failed: its error says which
 // layers and windows (batch rows) were written, those sequences' state lines have advanced
 // (drop them or restore them), and every later run_layer of the batch throws until the next
 // begin_forward. A change of the step list (add_step, set_communicator, set_partial_output,
@@ -270,7 +273,11 @@ class PrefillModule {
   // set_layer_weights needs all eight pointers non-null and in_proj 16-byte aligned, and checks
   // that the packed conv can run them; it throws and keeps the old weights otherwise.
   // init_random_weights waits for the device (no forward may still read the old weights),
-  // fills every layer and waits again.
+  // fills every layer and waits again. It and upload_layer_weights refill module-owned storage:
+  // until the new weights are in place, every layer whose weights lie in that storage has none,
+  // so after a copy that fails part way those layers refuse to run (rather than run on a mix of
+  // old and new values) until they are given weights again. Refilling the same storage keeps
+  // the graphs (same pointers).
   void set_layer_weights(int layer, const LayerWeights& weights);
   // Copies host arrays of the same shapes (in_proj_rows as for set_layer_weights) into
   // module-owned device storage, in_proj padded with zero rows to in_proj_stride(), then uses

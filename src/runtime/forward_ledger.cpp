@@ -78,8 +78,9 @@ std::string ForwardLedger::failed(int layer, int window, const std::string& why,
 std::string ForwardLedger::failed_all(const char* call, const std::string& why) {
   why_failed_ = str_cat(call, " failed part way (", why, ") after it had started to run every layer of the batch");
   state_ = State::Failed;
-  return "every layer and window of the batch may be partly written (the state lines of its sequences may have "
-         "advanced, some more than once); it can no longer run";
+  return "every layer and window of the batch may be partly written (each sequence's state lines may hold their "
+         "starting state, one run's or a part of a window's, the conv and the recurrent pool alike or not); it can "
+         "no longer run";
 }
 
 }  // namespace kda::detail

@@ -90,7 +90,8 @@ void PrefillModule::Impl::check_layer(int layer, const char* fn) const {
 void PrefillModule::Impl::check_layer_ready(int layer, const char* fn) const {
   check_layer(layer, fn);
   KDA_CHECK(has_weights[layer], fn, "layer ", layer,
-            " has no weights: call set_layer_weights or init_random_weights");
+            " has no weights: call set_layer_weights, upload_layer_weights or init_random_weights (a reload of ",
+            "them that failed part way leaves the layers whose weights it was overwriting without any)");
   KDA_CHECK(has_pools[layer], fn, "layer ", layer,
             " has no state pools: pools.external is true, so call set_layer_pools first");
 }

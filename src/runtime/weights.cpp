@@ -42,6 +42,9 @@ void PrefillModule::Impl::set_weights(int layer, const LayerWeights& w, const ch
   // Graphs record the pointers: the same ones keep them, also after drop_weights_in (storage
   // refilled in place). A layer never given weights holds null pointers, which always differ.
   if (std::memcmp(&old, &w, sizeof(LayerWeights)) != 0) bump_version(layer);
+  // runtime.capture: eager skipped this layer while it had no weights: record its graphs at the
+  // next begin_forward (capture_eager_graphs skips the ones it finds current).
+  if (!has_weights[layer]) eager_graphs_current = false;
   has_weights[layer] = true;
 }
 
@@ -227,9 +230,16 @@ void PrefillModule::upload_layer_weights(int layer, const LayerWeights& h) {
 void PrefillModule::Impl::drop_weights_in(const void* begin, std::size_t bytes) {
   if (!begin) return;
   const auto* lo = static_cast<const char*>(begin);
+  const auto inside = [&](const void* p) {
+    return static_cast<const char*>(p) >= lo && static_cast<const char*>(p) < lo + bytes;
+  };
   for (int l = 0; l < num_layers; ++l) {
-    const auto* p = static_cast<const char*>(weights[l].in_proj);
-    if (has_weights[l] && p >= lo && p < lo + bytes) has_weights[l] = 0;
+    const LayerWeights& w = weights[l];
+    // Any of the eight: a layer may mix these weights with the caller's (set_layer_weights).
+    for (const void* p : {static_cast<const void*>(w.in_proj), static_cast<const void*>(w.conv_weight), w.f_b,
+                          w.g_b, static_cast<const void*>(w.A_log), static_cast<const void*>(w.dt_bias),
+                          w.o_norm_weight, w.o_proj})
+      if (has_weights[l] && inside(p)) has_weights[l] = 0;
   }
 }
 

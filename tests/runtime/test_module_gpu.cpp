@@ -480,14 +480,14 @@ TEST_CASE("layers need weights, and bad weights are refused without changing the
   const HostBatch b = make_batch({10, 5}, {1, 2}, {false, false});
 
   CHECK_THROWS_WITH_AS(m.run(b.view(), s),
-                       doctest::Contains("layer 0 has no weights: call set_layer_weights or init_random_weights"),
+                       doctest::Contains("layer 0 has no weights: call set_layer_weights, upload_layer_weights or init_random_weights"),
                        kda::Error);
   m.set_layer_weights(0, donor->layer_weights(0));
   CHECK_THROWS_WITH_AS(m.run_layer(0, s), doctest::Contains("call begin_forward"), kda::Error);
   m.begin_forward(b.view(), s);
   CHECK_NOTHROW(m.run_layer(0, s));
   CHECK_THROWS_WITH_AS(m.run_layer(1, s),
-                       doctest::Contains("layer 1 has no weights: call set_layer_weights or init_random_weights"),
+                       doctest::Contains("layer 1 has no weights: call set_layer_weights, upload_layer_weights or init_random_weights"),
                        kda::Error);
   CHECK_THROWS_WITH_AS(m.run(b.view(), s), doctest::Contains("layer 1 has no weights"), kda::Error);
 
