@@ -12,31 +12,29 @@
 //
 // Threading: a module is driven from one host thread at a time and its work is ordered on the
 // stream given to begin_forward/run_layer; use one stream per module (the device-side metadata
-// staging is single-buffered and relies on that order: run_layer refuses a stream other than
-// its batch's begin_forward's, and a begin_forward on another stream than the last batch's is
-// not ordered after that batch's work by the module: the caller must order it, e.g. with an
-// event). No member function may be called
-// concurrently with another on the same module, const ones (config, output, stats) included.
-// Different modules are independent and may be driven from different threads on different
-// streams at the same time. The caller may write hidden_states() and read output(), the planes
-// and the pools from any stream once it has ordered that access after the module's work.
+// staging is single-buffered and relies on that order: run_layer refuses a stream other than its
+// batch's begin_forward's, and a begin_forward on another stream than the last batch's is not
+// ordered after that batch's work by the module: the caller must order it, e.g. with an event). No
+// member function may be called concurrently with another on the same module, const ones (config,
+// output, stats) included. Different modules are independent and may be driven from different
+// threads on different streams at the same time. The caller may write hidden_states() and read
+// output(), the planes and the pools from any stream once it has ordered that access after the
+// module's work.
 //
-// After an error: every throw is a kda::Error, and the module is then either exactly as before
-// the call or refuses to run until the caller acts. A refused argument, config, batch, pool or
-// weight changes nothing. begin_forward drops the previous batch before it validates the new
-// one: after it throws, no batch is staged and run_layer throws until a begin_forward succeeds.
-// A batch runs at most once per layer: a second run_layer of a layer throws and writes nothing.
-// A run_layer (or profile_steps, self_check) that fails once work is enqueued (a step that
-// throws, a failed graph capture after the window ran eagerly, a CUDA error) marks the batch
-// failed: its error says which
-// layers and windows (batch rows) were written, those sequences' state lines have advanced
-// (drop them or restore them), and every later run_layer of the batch throws until the next
-// begin_forward. A change of the step list (add_step, set_communicator, set_partial_output,
-// allowed until a begin_forward has staged a batch) drops every graph recorded before it, so
-// a failed eager capture never leaves graphs of an older step list. Every member function
-// works on the module's device (the one current at construction) whatever device is current
-// on the calling thread, and gives the caller's device back; a stream of another device is
-// refused, naming both.
+// After an error: every throw is a kda::Error, and the module is then either exactly as before the
+// call or refuses to run until the caller acts. A refused argument, config, batch, pool or weight
+// changes nothing. begin_forward drops the previous batch before it validates the new one: after it
+// throws, no batch is staged and run_layer throws until a begin_forward succeeds. A batch runs at
+// most once per layer: a second run_layer of a layer throws and writes nothing. A run_layer (or
+// profile_steps, self_check) that fails once work is enqueued (a step that throws, a failed graph
+// capture after the window ran eagerly, a CUDA error) marks the batch failed: its error says which
+// layers and windows (batch rows) were written, those sequences' state lines have advanced (drop
+// them or restore them), and every later run_layer of the batch throws until the next
+// begin_forward. A change of the step list (add_step, set_communicator, set_partial_output, allowed
+// until a begin_forward has staged a batch) drops every graph recorded before it, so a failed eager
+// capture never leaves graphs of an older step list. Every member function works on the module's
+// device (the one current at construction) whatever device is current on the calling thread, and
+// gives the caller's device back; a stream of another device is refused, naming both.
 //
 // Graphs: the (bucket, layer, window) graph records the layer's weight pointers and the step
 // list. runtime.capture: lazy records a graph the first time a batch needs it, after running
@@ -330,14 +328,13 @@ class PrefillModule {
   // its copy 4 forwards back, so the host runs at most 4 forwards ahead of the GPU
   // (docs/design.md); with runtime.capture: eager it also records the graphs (see Graphs above).
   void begin_forward(const BatchView& batch, Stream stream);
-  // Runs one layer over the batch of the last begin_forward: replays (capturing on first use)
-  // the graph of each window's bucket, or launches the steps eagerly when graphs are off.
-  // Throws, writing nothing, for a layer out of range or without weights or pools, when no
-  // batch is staged (none yet, or the last begin_forward failed), when this layer has run the
-  // batch already, after a failed run_layer of the batch, and for a stream other than the one
-  // the batch's begin_forward was given. A failure once work is enqueued
-  // marks the batch failed and names the layers and windows written (the paragraph "After an
-  // error" at the top).
+  // Runs one layer over the batch of the last begin_forward: replays (capturing on first use) the
+  // graph of each window's bucket, or launches the steps eagerly when graphs are off. Throws,
+  // writing nothing, for a layer out of range or without weights or pools, when no batch is staged
+  // (none yet, or the last begin_forward failed), when this layer has run the batch already, after
+  // a failed run_layer of the batch, and for a stream other than the one the batch's begin_forward
+  // was given. A failure once work is enqueued marks the batch failed and names the layers and
+  // windows written (the paragraph "After an error" at the top).
   void run_layer(int layer, Stream stream);
   // begin_forward, then run_layer for every layer in order. Checks first that every layer has
   // weights, so a failure changes nothing.
