@@ -110,8 +110,9 @@ void PrefillModule::begin_forward(const BatchView& batch, Stream stream) {
   constexpr const char* fn = "kda::PrefillModule::begin_forward";
   const auto t0 = Clock::now();
   Impl& m = *impl_;
-  const detail::DeviceGuard on_device(m.device, fn);
   try {
+    // Inside the try: a device that cannot be made current also drops the previous batch.
+    const detail::DeviceGuard on_device(m.device, fn);
     m.check_stream(stream, fn);
     m.stage(batch, stream);
   } catch (const std::exception& e) {
