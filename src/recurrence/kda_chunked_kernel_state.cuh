@@ -308,6 +308,15 @@ __host__ __device__ __forceinline__ Stage enter_chunk(Ops& ops, StagePipe& s, in
           s.ptr + (n & 1) * S::kStageBytes};
 }
 
+// Element r of key tile nt of a state warp's S^T fragment (an m16n8 accumulator, g = lane / 4,
+// t = lane % 4): value row state_row(v0, g, r), key channel state_key(nt, t, r).
+__host__ __device__ __forceinline__ int state_row(int v0, int g, int r) {
+  return v0 + g + 8 * (r >> 1);
+}
+__host__ __device__ __forceinline__ int state_key(int nt, int t, int r) {
+  return 8 * nt + 2 * t + (r & 1);
+}
+
 // A state warp's S^T: st[nt] holds value rows v0 + (g, g + 8) and key channels
 // 8 nt + (2t, 2t + 1), read from (or written to) the pool at element `at` on: the head of a
 // line (state_head_at). Elements are fp32, or bf16 when p.state_dtype_is_bf16: a load widens
@@ -322,7 +331,7 @@ KDA_UNROLL
   for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      const int v = state_row(v0, g, r), c = state_key(nt, t, r);
       st[nt][r] = load_state_elem(p.states, at + c * p.state_k + v * p.state_v, bf16);
     }
   }
@@ -348,7 +357,7 @@ KDA_UNROLL
   for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      const int v = state_row(v0, g, r), c = state_key(nt, t, r);
       store_state_elem(p.states, at + c * p.state_k + v * p.state_v, st[nt][r], bf16);
     }
   }
@@ -490,7 +499,7 @@ KDA_UNROLL
   for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      const int v = state_row(v0, g, r), c = state_key(nt, t, r);
       st[nt][r] = m[v * kHeadDim + c];
     }
   }
@@ -501,7 +510,7 @@ KDA_UNROLL
   for (int nt = 0; nt < StateTraits::kKeyTiles; ++nt) {
 KDA_UNROLL
     for (int r = 0; r < 4; ++r) {
-      const int v = v0 + g + 8 * (r >> 1), c = 8 * nt + 2 * t + (r & 1);
+      const int v = state_row(v0, g, r), c = state_key(nt, t, r);
       m[v * kHeadDim + c] = st[nt][r];
     }
   }
@@ -560,7 +569,7 @@ KDA_UNROLL
     for (int nt = 0; nt < kKeyTiles; ++nt)
 KDA_UNROLL
       for (int r = 0; r < 4; ++r)
-        st[nt][r] = (v0 + g + 8 * (r >> 1) == 8 * nt + 2 * t + (r & 1)) ? 1.0f : 0.0f;
+        st[nt][r] = state_row(v0, g, r) == state_key(nt, t, r) ? 1.0f : 0.0f;
   } else if (full && bw.seg > 0) {
     load_state_ws(st, segment_matrix(p.seg_states, p, bw.slot - 1, head), v0, g, t);
   } else {
